@@ -1,0 +1,27 @@
+"""bytes -> tensors: shard reading, image transforms, synthetic data. Never imports imba, models or train."""
+
+from .shards import (
+    IMAGE_EXTENSIONS,
+    expand_urls,
+    image_to_tensor,
+    make_image_text_loader,
+    resize_center_crop,
+    sample_caption,
+    to_rgb,
+)
+from .synthetic import COLOURS, SAMPLE_PROMPTS, SHAPES, make_sample, write_synthetic_shards
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "expand_urls",
+    "image_to_tensor",
+    "make_image_text_loader",
+    "resize_center_crop",
+    "sample_caption",
+    "to_rgb",
+    "COLOURS",
+    "SAMPLE_PROMPTS",
+    "SHAPES",
+    "make_sample",
+    "write_synthetic_shards",
+]

@@ -1,0 +1,379 @@
+"""Reading img2dataset-layout tar shards (`key.jpg|jpeg|png|webp`, `key.txt`, `key.json`) into training batches.
+
+The stream is infinite and step-based: shards are drawn with replacement (webdataset `ResampledShards`), samples
+pass through a shuffle buffer, and every random choice is seeded explicitly from (seed, rank, worker id,
+resume_step) — never from pid or time — so the same arguments reproduce the same stream, and different ranks,
+workers or resume steps get different streams. Exact resume (skip what was consumed) is the job of an indexed
+reader (wids), not of this one.
+
+Bad samples (undecodable image, no image, missing or empty caption) and unreadable shards are skipped and
+counted, never fatal — except when nothing readable has come out at all after many attempts, which is a wrong
+path or layout, reported in one line instead of an endless silent loop.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
+
+import braceexpand
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "REMOTE_PREFIXES",
+    "expand_urls",
+    "resize_center_crop",
+    "to_rgb",
+    "image_to_tensor",
+    "sample_caption",
+    "sample_image",
+    "derive_seed",
+    "ReaderStats",
+    "make_image_text_pipeline",
+    "make_image_text_loader",
+]
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
+REMOTE_PREFIXES: tuple[str, ...] = ("pipe:", "http://", "https://", "s3://", "gs://")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+# Give up (one clear error) when this many samples/shards failed in a row before any sample was usable.
+MAX_FAILURES_BEFORE_FIRST_SAMPLE = 1000
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shard specs
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _is_remote(spec: str) -> bool:
+    return spec.startswith(REMOTE_PREFIXES)
+
+
+def expand_urls(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """Expand a shard spec (or a list of them) into a list of shard URLs/paths, in order.
+
+    Each spec may be a brace pattern (`shards/part-{000000..000009}.tar`), a glob (`shards/*.tar`), a directory
+    (all `*.tar` directly in it, sorted), a plain file, or a remote spec (`pipe:...`, `http(s)://`, `s3://`,
+    `gs://`), which is brace-expanded but otherwise passed through unchecked. Local specs must match: a spec
+    that matches nothing, or a brace pattern naming missing files, raises FileNotFoundError.
+    """
+    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if not specs:
+        raise FileNotFoundError("no shards given: pass a shard path, directory, glob or brace pattern")
+    urls: list[str] = []
+    for item in specs:
+        item = os.fspath(item)
+        if _is_remote(item):
+            urls.extend(braceexpand.braceexpand(item))
+            continue
+        found: list[str] = []
+        missing: list[str] = []
+        for path in braceexpand.braceexpand(os.path.expanduser(item)):
+            if os.path.isdir(path):
+                found.extend(sorted(glob.glob(os.path.join(glob.escape(path), "*.tar"))))
+            elif _GLOB_CHARS.search(path):
+                found.extend(p for p in sorted(glob.glob(path)) if os.path.isfile(p))
+            elif os.path.isfile(path):
+                found.append(path)
+            else:
+                missing.append(path)
+        if missing and found:
+            raise FileNotFoundError(
+                f"shard spec {item!r}: {len(missing)} of its files are missing (first: {missing[0]}); "
+                f"fix the range or path"
+            )
+        if not found:
+            raise FileNotFoundError(
+                f"no shards found for {item!r}: give an existing .tar file, a directory of .tar shards, "
+                f"a glob or a brace pattern like 'shards/part-{{000000..000009}}.tar'"
+            )
+        urls.extend(found)
+    return urls
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Image helpers (PIL + numpy/torch; no torchvision)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """RGB version of `img`; transparent images (RGBA, LA, P with transparency) are composited over white."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        base = Image.new("RGBA", rgba.size, background + (255,))
+        return Image.alpha_composite(base, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def resize_center_crop(img: Image.Image, size: int) -> Image.Image:
+    """Resize so the shorter side is `size` (bicubic, antialiased when shrinking), then crop the centre square."""
+    w, h = img.size
+    if w <= 0 or h <= 0:
+        raise ValueError(f"empty image ({w}x{h})")
+    if w <= h:
+        nw, nh = size, max(size, round(h * size / w))
+    else:
+        nw, nh = max(size, round(w * size / h)), size
+    if (nw, nh) != (w, h):
+        img = img.resize((nw, nh), Image.Resampling.BICUBIC)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    if (nw, nh) != (size, size):
+        img = img.crop((left, top, left + size, top + size))
+    return img
+
+
+def image_to_tensor(img: Image.Image) -> torch.Tensor:
+    """(3, H, W) float32 tensor in [-1, 1] from a PIL image of any common mode (L, RGBA, P, CMYK, ...)."""
+    arr = np.asarray(to_rgb(img), dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sample fields
+# --------------------------------------------------------------------------------------------------------------
+
+
+def sample_caption(sample: dict[str, Any], caption_field: str = "caption") -> str:
+    """The caption of a raw sample: its `txt` member if non-empty, else `json[caption_field]`; "" if none."""
+    txt = sample.get("txt")
+    if txt is not None:
+        text = (txt.decode("utf-8") if isinstance(txt, (bytes, bytearray)) else str(txt)).strip()
+        if text:
+            return text
+    meta = sample.get("json")
+    if meta is not None:
+        if isinstance(meta, (bytes, bytearray, str)):
+            meta = json.loads(meta)
+        value = meta.get(caption_field) if isinstance(meta, dict) else None
+        if isinstance(value, str):
+            return value.strip()
+    return ""
+
+
+def sample_image(sample: dict[str, Any], resolution: int | None = None) -> Image.Image:
+    """Decode the first image member (jpg, jpeg, png, webp) of a raw sample; raises if none or undecodable."""
+    for ext in IMAGE_EXTENSIONS:
+        data = sample.get(ext)
+        if data is not None:
+            break
+    else:
+        raise ValueError(f"no image member ({', '.join(IMAGE_EXTENSIONS)}) in sample, has {sorted(sample)}")
+    img = Image.open(io.BytesIO(data))
+    if resolution is not None and img.format == "JPEG":
+        img.draft("RGB", (resolution, resolution))  # DCT-domain downscale, never below the requested size
+    img.load()
+    return img
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Seeding
+# --------------------------------------------------------------------------------------------------------------
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from the parts' text (SHA-256), identical in every process (unlike `hash()` of a str)."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _worker_id() -> int:
+    info = torch.utils.data.get_worker_info()
+    return 0 if info is None else info.id
+
+
+@dataclass
+class _StreamSeed:
+    """Called at iteration time (inside the DataLoader worker): seed for one purpose of this worker's stream."""
+
+    seed: int
+    rank: int
+    resume_step: int
+    purpose: str
+
+    def __call__(self) -> int:
+        return derive_seed("imba-data", self.purpose, self.seed, self.rank, _worker_id(), self.resume_step)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pipeline stages
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReaderStats:
+    """Per-process counts (each DataLoader worker has its own copy)."""
+
+    good: int = 0
+    bad: dict[str, int] = field(default_factory=dict)  # reason -> count
+    shard_errors: int = 0
+    failures_in_a_row: int = 0
+    where: str = ""  # shard spec, for messages
+
+    @property
+    def bad_total(self) -> int:
+        return sum(self.bad.values())
+
+    def failed(self, what: str) -> None:
+        self.failures_in_a_row += 1
+        if self.good == 0 and self.failures_in_a_row >= MAX_FAILURES_BEFORE_FIRST_SAMPLE:
+            raise RuntimeError(
+                f"no usable sample after {self.failures_in_a_row} failures reading {self.where} "
+                f"(last: {what}); check the shard paths, image format and caption field"
+            )
+
+
+def _log_rate_limited(count: int, message: str) -> None:
+    if count <= 10 or count % 1000 == 0:
+        log.warning("%s (occurrence %d%s)", message, count, "; further ones logged every 1000th" if count == 10 else "")
+
+
+@dataclass
+class _ShardErrorHandler:
+    """webdataset handler for unreadable shards/members: count, log, continue (warn_and_continue sleeps 0.5 s)."""
+
+    stats: ReaderStats
+
+    def __call__(self, exn: BaseException) -> bool:
+        self.stats.shard_errors += 1
+        _log_rate_limited(self.stats.shard_errors, f"skipping unreadable shard data: {exn!r}"[:300])
+        self.stats.failed(repr(exn)[:200])
+        return True
+
+
+@dataclass
+class _SeededShuffle:
+    bufsize: int
+    seed: _StreamSeed
+
+    def __call__(self, src: Iterable[dict]) -> Iterator[dict]:
+        initial = min(self.bufsize, 100)
+        return wds.shuffle(self.bufsize, initial=initial, seed=self.seed())(src)
+
+
+@dataclass
+class _DecodeSamples:
+    """Raw tar sample -> {"pixels", "caption", "key"}; bad samples are counted and dropped."""
+
+    resolution: int
+    caption_field: str
+    stats: ReaderStats
+
+    def _bad(self, reason: str, sample: dict, detail: str = "") -> None:
+        self.stats.bad[reason] = self.stats.bad.get(reason, 0) + 1
+        where = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
+        _log_rate_limited(self.stats.bad_total, f"skipping bad sample {where}: {reason} {detail}"[:300])
+        self.stats.failed(f"{reason} at {where}")
+
+    def __call__(self, src: Iterable[dict]) -> Iterator[dict]:
+        for sample in src:
+            try:
+                caption = sample_caption(sample, self.caption_field)
+            except Exception as exn:  # bad json / encoding
+                self._bad("bad caption", sample, repr(exn))
+                continue
+            if not caption:
+                self._bad("missing or empty caption", sample)
+                continue
+            try:
+                img = sample_image(sample, self.resolution)
+                pixels = image_to_tensor(resize_center_crop(to_rgb(img), self.resolution))
+            except Exception as exn:  # undecodable, truncated, decompression bomb, no image member
+                self._bad("bad image", sample, repr(exn))
+                continue
+            self.stats.good += 1
+            self.stats.failures_in_a_row = 0
+            yield {"pixels": pixels, "caption": caption, "key": sample["__key__"]}
+
+
+def _collate(samples: list[dict]) -> dict[str, Any]:
+    return {
+        "pixels": torch.stack([s["pixels"] for s in samples]),
+        "captions": [s["caption"] for s in samples],
+        "keys": [s["key"] for s in samples],
+    }
+
+
+def make_image_text_pipeline(
+    urls: str | Sequence[str],
+    resolution: int,
+    batch_size: int,
+    seed: int = 0,
+    rank: int = 0,
+    resume_step: int = 0,
+    shuffle_buffer: int = 1000,
+    caption_field: str = "caption",
+) -> wds.DataPipeline:
+    """The infinite, batched webdataset pipeline behind `make_image_text_loader` (its `.stats` counts skips)."""
+    urls = expand_urls(urls)
+    stats = ReaderStats(where=urls[0] if len(urls) == 1 else f"{len(urls)} shards ({urls[0]}, ...)")
+    shards = wds.ResampledShards(
+        urls,
+        seed=0,
+        worker_seed=_StreamSeed(seed, rank, resume_step, "shards"),
+        deterministic=True,  # otherwise webdataset mixes pid, time_ns and urandom into the seed
+    )
+    stages: list[Any] = [shards, wds.tarfile_to_samples(handler=_ShardErrorHandler(stats))]
+    if shuffle_buffer > 1:
+        stages.append(_SeededShuffle(shuffle_buffer, _StreamSeed(seed, rank, resume_step, "shuffle")))
+    stages.append(_DecodeSamples(resolution, caption_field, stats))
+    stages.append(wds.batched(batch_size, collation_fn=_collate, partial=False))
+    pipeline = wds.DataPipeline(*stages)
+    pipeline.stats = stats
+    return pipeline
+
+
+def make_image_text_loader(
+    urls: str | Sequence[str],
+    resolution: int,
+    batch_size: int,
+    num_workers: int = 0,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    resume_step: int = 0,
+    shuffle_buffer: int = 1000,
+    caption_field: str = "caption",
+) -> torch.utils.data.DataLoader:
+    """Infinite DataLoader of {"pixels": (B, 3, R, R) float32 in [-1, 1], "captions": [str], "keys": [str]}.
+
+    `urls` is anything `expand_urls` accepts. Shards are resampled with replacement, so every rank reads all
+    shards and `world_size` is only checked; ranks, workers and resume steps differ through the seed.
+    """
+    if resolution < 1 or batch_size < 1 or num_workers < 0:
+        raise ValueError(
+            f"need resolution >= 1, batch_size >= 1, num_workers >= 0 (got {resolution}, {batch_size}, {num_workers})"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    pipeline = make_image_text_pipeline(
+        urls,
+        resolution,
+        batch_size,
+        seed=seed,
+        rank=rank,
+        resume_step=resume_step,
+        shuffle_buffer=shuffle_buffer,
+        caption_field=caption_field,
+    )
+    return torch.utils.data.DataLoader(
+        pipeline,
+        batch_size=None,  # the pipeline batches
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )

@@ -1,0 +1,223 @@
+"""Typed training configuration: nested dataclasses, one YAML file per experiment, dotted CLI overrides.
+
+    python train.py --config configs/tiny.yaml loss.gamma=0.5 train.max_steps=100 --resume latest
+
+Precedence: dataclass defaults < YAML file < CLI overrides. Unknown keys and values of the wrong type raise
+`ConfigError` with one line that names the key and the fix; `train.py` prints it and exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; its message is one line."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"  # tiny | small | base | 1b (models/dit.py)
+    text_encoder: str = "tiny"  # "tiny", a hub id (google/t5-v1_1-xxl) or a local folder
+    text_encoder_subfolder: str = ""  # e.g. "text_encoder" inside a PixArt repository
+    tokenizer_subfolder: str = ""  # e.g. "tokenizer" inside a PixArt repository
+    max_text_tokens: int = 64  # PixArt-α uses 120, PixArt-Σ 300
+    vae: str = "tiny"  # "tiny", a hub id (stabilityai/sd-vae-ft-ema) or a local folder
+    vae_subfolder: str = ""
+    encoder_dtype: str = "float32"  # dtype of the frozen T5 and VAE: float32 | bfloat16 | float16
+
+
+@dataclass
+class DataConfig:
+    shards: str | None = None  # brace/glob pattern, folder or URL of img2dataset tar shards; None = synthetic
+    resolution: int = 128  # images are resized and centre-cropped to this square size
+    batch_size: int = 8  # per process, per micro-step
+    num_workers: int = 0
+    shuffle_buffer: int = 1000
+    caption_field: str = "caption"  # field of key.json used when a sample has no key.txt
+    synthetic_samples: int = 2000  # size of the synthetic shard set written when shards is None
+    synthetic_dir: str | None = None  # where it is written; None = <train.output_dir>/synthetic_shards
+
+
+@dataclass
+class LossConfig:
+    kind: str = "imba"  # imba (token level) | imba_sample (sample level) | plain (MSE + caption dropout)
+    gamma: float = 0.8
+    lam: float = 0.9  # IMBA: weight of the conditional term; plain: caption dropout p = 1 - lam
+    distance: str = "mse"  # mse | l1 | l2
+    reference: str = "target"  # target (paper) | cond (unbiased optimum, DESIGN §1)
+    normalize: str = "none"  # none | batch_mean
+
+
+@dataclass
+class ObjectiveConfig:
+    kind: str = "flow"  # flow (rectified flow, velocity target) | ddpm (ε-prediction)
+    logit_mean: float = 0.0  # flow: σ = sigmoid(N(logit_mean, logit_std²))
+    logit_std: float = 1.0
+    shift: float = 1.0  # flow: timestep shift towards noise (also used by the sampler)
+    beta_schedule: str = "linear"  # ddpm: PixArt's schedule
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.03
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    warmup_steps: int = 20
+    grad_clip: float = 1.0  # max gradient norm; 0 disables clipping
+    ema_decay: float = 0.999
+
+
+@dataclass
+class SampleConfig:
+    prompts: list[str] = field(default_factory=lambda: [
+        "a red circle", "a blue square", "a green triangle and a yellow star",
+        "a purple circle and an orange square",
+    ])
+    guidance_scale: float = 4.5
+    steps: int = 20
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "outputs/tiny"
+    max_steps: int = 300  # optimizer steps
+    grad_accum: int = 1
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100  # checkpoint interval in steps; 0 = only at the end
+    keep_checkpoints: int = 3
+    sample_every: int = 100  # sample-grid interval in steps; 0 = only at the end
+    resume: str | None = None  # None | "latest" | path to a checkpoint folder
+    trackers: str = "tensorboard"  # accelerate trackers, comma-separated, or "none"; JSONL is always written
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+CHOICES = {
+    "model.encoder_dtype": ("float32", "bfloat16", "float16"),
+    "loss.kind": ("imba", "imba_sample", "plain"),
+    "loss.distance": ("mse", "l1", "l2"),
+    "loss.reference": ("target", "cond"),
+    "loss.normalize": ("none", "batch_mean"),
+    "objective.kind": ("flow", "ddpm"),
+    "train.mixed_precision": ("no", "bf16", "fp16"),
+}
+
+
+def _coerce(key: str, value, hint):
+    """Check `value` against the type hint `hint`; int → float is the one silent conversion."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # e.g. a numeric hub revision or folder name
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"config key {key!r} expects {hint.__name__}, got {value!r}")
+    return value
+
+
+def _apply(cfg, updates: dict, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(cfg))
+    names = [f.name for f in dataclasses.fields(cfg)]
+    for name, value in updates.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (valid: {', '.join(names)})"
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+        current = getattr(cfg, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {key!r} is a section; set its fields, e.g. {key}.<field>=...")
+            _apply(current, value, prefix=f"{key}.")
+            continue
+        value = _coerce(key, value, hints[name])
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ConfigError(f"config key {key!r} must be one of {', '.join(CHOICES[key])}, got {value!r}")
+        setattr(cfg, name, value)
+
+
+def _parse_override(item: str) -> dict:
+    """'a.b.c=value' → {'a': {'b': {'c': parsed value}}}; the value is read as YAML (numbers, bools, lists)."""
+    if "=" not in item:
+        raise ConfigError(f"cannot read argument {item!r}: overrides look like section.key=value")
+    dotted, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(argv: list[str]) -> Config:
+    """Build the config from `--config FILE`, `--resume latest|PATH` and `section.key=value` arguments."""
+    cfg = Config()
+    overrides, config_file, resume = [], None, None
+    args = iter(argv)
+    for arg in args:
+        if arg in ("--config", "--resume"):
+            value = next(args, None)
+            if value is None:
+                raise ConfigError(f"{arg} needs a value")
+            config_file, resume = (value, resume) if arg == "--config" else (config_file, value)
+        elif arg.startswith(("--config=", "--resume=")):
+            flag, value = arg[2:].split("=", 1)
+            config_file, resume = (value, resume) if flag == "config" else (config_file, value)
+        else:
+            overrides.append(arg)
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {config_file!r} not found")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {config_file!r} must hold a mapping of sections")
+        _apply(cfg, loaded)
+    for item in overrides:
+        _apply(cfg, _parse_override(item))
+    if resume is not None:
+        cfg.train.resume = resume
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

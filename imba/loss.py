@@ -1,0 +1,134 @@
+"""The IMBA loss (arXiv 2507.13345) and the plain diffusion loss it is compared with.
+
+Both losses take plain tensors, so they can be dropped into any diffusion training loop:
+
+    loss_fn = IMBALoss(gamma=0.8, lam=0.9, patch_size=2)
+    loss, stats = loss_fn(pred_cond, pred_uncond, target)
+
+Shapes are (B, C, H, W) latents; a *token* is one DiT patch: a patch_size × patch_size square of latent pixels
+across all channels. The method, as this project implements it (see DESIGN §1):
+
+    d   = per-token distance between the reference (target, or the conditional prediction) and pred_uncond
+    D   = stopgrad(d) ** gamma                      (optionally normalised by its batch mean)
+    L*  = mean over tokens of D · mse_token(target, pred_cond)
+    L_u = mean of (target − pred_uncond)²           (gradient flows into the unconditional prediction)
+    L   = lam · L* + (1 − lam) · L_u
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GRANULARITIES = ("token", "sample")
+DISTANCES = ("mse", "l1", "l2")
+REFERENCES = ("target", "cond")
+NORMALIZATIONS = ("none", "batch_mean")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"IMBALoss: {name}={value!r} is not one of {', '.join(choices)}")
+
+
+def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, C·p·p): one row per DiT token, in the DiT's row-major token order."""
+    b, c, h, w = x.shape
+    p = patch_size
+    if h % p or w % p:
+        raise ValueError(f"latent size {h}x{w} is not divisible by patch_size={p}")
+    x = x.reshape(b, c, h // p, p, w // p, p)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), c * p * p)
+
+
+def token_distance(reference: torch.Tensor, other: torch.Tensor, patch_size: int, kind: str = "mse") -> torch.Tensor:
+    """Per-token distance between two (B, C, H, W) tensors, shape (B, N)."""
+    _check_choice("distance", kind, DISTANCES)
+    diff = patchify(reference.float() - other.float(), patch_size)
+    if kind == "mse":
+        return diff.pow(2).mean(dim=-1)
+    if kind == "l1":
+        return diff.abs().mean(dim=-1)
+    return diff.pow(2).sum(dim=-1).sqrt()
+
+
+@dataclass
+class IMBALoss:
+    """Token-level (or sample-level) IMBA loss. Call it with (pred_cond, pred_uncond, target).
+
+    gamma:       exponent of the weight; 0 gives the plain λ-mixed MSE, 2 is known to shift colours.
+    lam:         weight of the conditional term; 1 − lam plays the role of caption dropout.
+    patch_size:  DiT patch size; the weight is constant over one patch.
+    granularity: "token" (one weight per patch) or "sample" (one weight per sample: mean of d over its tokens).
+    distance:    "mse" (mean square over the token's values), "l1" (mean absolute) or "l2" (Euclidean norm).
+    reference:   "target" (the paper's form: distance from the regression target) or "cond" (distance from the
+                 detached conditional prediction; keeps the optimum at the true conditional mean, see DESIGN §1).
+    normalize:   "none" or "batch_mean" (divide D by its mean over the batch, so the loss scale stays put).
+    """
+
+    gamma: float = 0.8
+    lam: float = 0.9
+    patch_size: int = 2
+    granularity: str = "token"
+    distance: str = "mse"
+    reference: str = "target"
+    normalize: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_choice("granularity", self.granularity, GRANULARITIES)
+        _check_choice("distance", self.distance, DISTANCES)
+        _check_choice("reference", self.reference, REFERENCES)
+        _check_choice("normalize", self.normalize, NORMALIZATIONS)
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"IMBALoss: lam={self.lam} must lie in [0, 1]")
+        if self.gamma < 0:
+            raise ValueError(f"IMBALoss: gamma={self.gamma} must be >= 0")
+        if self.patch_size < 1:
+            raise ValueError(f"IMBALoss: patch_size={self.patch_size} must be >= 1")
+
+    def weights(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor):
+        """Return (D, d): the detached weight per token (B, N) and the raw distance per token (B, N)."""
+        reference = target if self.reference == "target" else pred_cond
+        with torch.no_grad():
+            d = token_distance(reference.detach(), pred_uncond.detach(), self.patch_size, self.distance)
+            if self.granularity == "sample":
+                weight = d.mean(dim=1, keepdim=True).expand_as(d)
+            else:
+                weight = d
+            weight = weight.pow(self.gamma)
+            if self.normalize == "batch_mean":
+                weight = weight / weight.mean().clamp_min(torch.finfo(weight.dtype).tiny)
+        return weight, d
+
+    def __call__(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor):
+        if not (pred_cond.shape == pred_uncond.shape == target.shape) or pred_cond.dim() != 4:
+            raise ValueError(
+                "IMBALoss expects pred_cond, pred_uncond and target of one shape (B, C, H, W); got "
+                f"{tuple(pred_cond.shape)}, {tuple(pred_uncond.shape)}, {tuple(target.shape)}"
+            )
+        weight, d = self.weights(pred_cond, pred_uncond, target)
+        cond_err = token_distance(target, pred_cond, self.patch_size, "mse")  # (B, N), carries grad
+        loss_cond = (weight * cond_err).mean()
+        loss_uncond = F.mse_loss(pred_uncond.float(), target.float())
+        loss = self.lam * loss_cond + (1.0 - self.lam) * loss_uncond
+        stats = {
+            "loss": loss.detach(),
+            "loss_cond_weighted": loss_cond.detach(),
+            "loss_uncond": loss_uncond.detach(),
+            "loss_cond_plain": cond_err.detach().mean(),
+            "weight_mean": weight.mean(),
+            "weight_std": weight.std(unbiased=False),
+            "weight_max": weight.max(),
+            "distance_mean": d.mean(),
+            # per-sample distance, for monitors that bucket samples by concept frequency
+            "distance_per_sample": d.mean(dim=1),
+        }
+        return loss, stats
+
+
+def plain_loss(pred: torch.Tensor, target: torch.Tensor):
+    """Plain diffusion MSE (the baseline; its caption dropout happens before the forward pass)."""
+    loss = F.mse_loss(pred.float(), target.float())
+    return loss, {"loss": loss.detach()}

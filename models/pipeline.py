@@ -1,0 +1,51 @@
+"""Assemble the trained parts into a stock diffusers `PixArtAlphaPipeline`: sample grids and the export folder.
+
+The export is a plain diffusers folder (transformer, vae, text_encoder, tokenizer, scheduler, model_index.json):
+`PixArtAlphaPipeline.from_pretrained(folder)` opens it with no code from this project.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from diffusers import PixArtAlphaPipeline
+from PIL import Image
+
+
+def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler) -> PixArtAlphaPipeline:
+    pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                               scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def image_grid(images: list[Image.Image], columns: int | None = None) -> Image.Image:
+    columns = columns or math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / columns)
+    w, h = images[0].size
+    grid = Image.new("RGB", (columns * w, rows * h), "white")
+    for i, img in enumerate(images):
+        grid.paste(img, ((i % columns) * w, (i // columns) * h))
+    return grid
+
+
+@torch.no_grad()
+def sample_images(pipe: PixArtAlphaPipeline, prompts: list[str], resolution: int, guidance_scale: float,
+                  steps: int, seed: int, max_text_tokens: int) -> list[Image.Image]:
+    """Fixed prompts, fixed seed, classifier-free guidance; one image per prompt."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return pipe(
+        prompts, height=resolution, width=resolution, guidance_scale=guidance_scale, num_inference_steps=steps,
+        generator=generator, max_sequence_length=max_text_tokens, clean_caption=False,
+        # Resolution binning only knows PixArt's 256/512/1024 grids; we sample exactly the trained size.
+        use_resolution_binning=False,
+    ).images
+
+
+def export_pipeline(pipe: PixArtAlphaPipeline, folder: Path) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

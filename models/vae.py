@@ -1,0 +1,50 @@
+"""Frozen image autoencoder (SD-VAE) that maps pixels in [-1, 1] to scaled latents and back.
+
+Real runs load the SD VAE (4 latent channels, 8× downsampling, scaling factor 0.18215) from a hub id or a local
+folder, e.g. `stabilityai/sd-vae-ft-ema`. `"tiny"` builds a small random `AutoencoderKL` with the same latent
+layout (4 channels, 8× downsampling) from a fixed seed: no download, for tests and the CPU default run.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKL
+
+TINY = "tiny"
+TINY_SEED = 4321
+SD_SCALING_FACTOR = 0.18215
+
+
+def _tiny_vae() -> AutoencoderKL:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        return AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
+            scaling_factor=SD_SCALING_FACTOR,
+        )
+
+
+def load_vae(spec: str, subfolder: str = "", dtype: torch.dtype = torch.float32) -> AutoencoderKL:
+    """A frozen AutoencoderKL in eval mode from "tiny", a hub id or a local path."""
+    if spec == TINY:
+        vae = _tiny_vae() if dtype == torch.float32 else _tiny_vae().to(dtype)
+    else:
+        try:
+            vae = AutoencoderKL.from_pretrained(spec, subfolder=subfolder or None, torch_dtype=dtype)
+        except OSError as err:
+            raise OSError(f"cannot load the VAE from {spec!r} (subfolder {subfolder!r}): set model.vae to a local "
+                          "folder or a reachable hub id, or 'tiny' for tests") from err
+    return vae.eval().requires_grad_(False)
+
+
+def vae_scale_factor(vae: AutoencoderKL) -> int:
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+@torch.no_grad()
+def encode_images(vae: AutoencoderKL, pixels: torch.Tensor, generator: torch.Generator | None = None):
+    """Pixels (B, 3, H, W) in [-1, 1] → latents (B, 4, H/8, W/8) sampled from the posterior, times scaling."""
+    posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
+    return posterior.sample(generator=generator).float() * vae.config.scaling_factor

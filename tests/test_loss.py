@@ -1,0 +1,155 @@
+"""IMBA numerics against an independent, loop-based reference written here (not shared with imba/loss.py)."""
+
+import itertools
+
+import pytest
+import torch
+
+from imba import IMBALoss, patchify, plain_loss
+
+
+def reference_imba(pred_c, pred_u, tgt, gamma, lam, p, granularity="token", distance="mse",
+                   reference="target", normalize="none"):
+    """Explicit loops over samples and tokens, straight from DESIGN §1."""
+    b, c, h, w = tgt.shape
+    ref = tgt if reference == "target" else pred_c
+    weights, cond_errs, dists = [], [], []
+    for i in range(b):
+        for y in range(0, h, p):
+            for x in range(0, w, p):
+                diff = (ref[i, :, y:y + p, x:x + p] - pred_u[i, :, y:y + p, x:x + p]).flatten().double()
+                if distance == "mse":
+                    d = (diff ** 2).mean()
+                elif distance == "l1":
+                    d = diff.abs().mean()
+                else:
+                    d = (diff ** 2).sum().sqrt()
+                dists.append(d)
+                err = (tgt[i, :, y:y + p, x:x + p] - pred_c[i, :, y:y + p, x:x + p]).flatten().double()
+                cond_errs.append((err ** 2).mean())
+    n_tok = (h // p) * (w // p)
+    dists = torch.stack(dists).view(b, n_tok)
+    cond_errs = torch.stack(cond_errs).view(b, n_tok)
+    if granularity == "sample":
+        weights = dists.mean(dim=1, keepdim=True).repeat(1, n_tok) ** gamma
+    else:
+        weights = dists ** gamma
+    if normalize == "batch_mean":
+        weights = weights / weights.mean()
+    l_star = (weights * cond_errs).mean()
+    l_u = ((tgt.double() - pred_u.double()) ** 2).mean()
+    return lam * l_star + (1 - lam) * l_u
+
+
+SHAPES = [(2, 4, 8, 8), (1, 3, 6, 10), (3, 1, 2, 2), (2, 4, 9, 6)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("granularity", ["token", "sample"])
+@pytest.mark.parametrize("gamma,lam", [(0.8, 0.9), (0.0, 0.5), (2.0, 1.0), (0.3, 0.0)])
+def test_matches_reference(shape, granularity, gamma, lam):
+    p = 3 if shape == (2, 4, 9, 6) else 2
+    g = torch.Generator().manual_seed(sum(shape))
+    pc, pu, t = (torch.randn(shape, generator=g) for _ in range(3))
+    loss, _ = IMBALoss(gamma=gamma, lam=lam, patch_size=p, granularity=granularity)(pc, pu, t)
+    expected = reference_imba(pc, pu, t, gamma, lam, p, granularity)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("distance,reference,normalize",
+                         list(itertools.product(["mse", "l1", "l2"], ["target", "cond"], ["none", "batch_mean"])))
+def test_switches_match_reference(distance, reference, normalize):
+    g = torch.Generator().manual_seed(7)
+    pc, pu, t = (torch.randn(2, 4, 4, 6, generator=g) for _ in range(3))
+    fn = IMBALoss(gamma=0.8, lam=0.9, patch_size=2, distance=distance, reference=reference, normalize=normalize)
+    expected = reference_imba(pc, pu, t, 0.8, 0.9, 2, "token", distance, reference, normalize)
+    torch.testing.assert_close(fn(pc, pu, t)[0].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_carries_no_gradient():
+    """d(L)/d(pred_u) must come only from the (1 − λ)·L_u term: D is a stop-gradient weight."""
+    g = torch.Generator().manual_seed(0)
+    pc = torch.randn(2, 4, 4, 4, generator=g, requires_grad=True)
+    pu = torch.randn(2, 4, 4, 4, generator=g, requires_grad=True)
+    t = torch.randn(2, 4, 4, 4, generator=g)
+    lam = 0.9
+    loss, _ = IMBALoss(gamma=0.8, lam=lam, patch_size=2)(pc, pu, t)
+    loss.backward()
+    expected_grad_u = (1 - lam) * 2 * (pu.detach() - t) / t.numel()
+    torch.testing.assert_close(pu.grad, expected_grad_u)
+    # and with lam = 1 the unconditional prediction gets no gradient at all
+    pu.grad = None
+    IMBALoss(gamma=0.8, lam=1.0, patch_size=2)(pc, pu, t)[0].backward()
+    assert pu.grad is None or torch.count_nonzero(pu.grad) == 0
+
+
+def test_reference_cond_weight_does_not_backprop_into_cond():
+    """With reference=cond the weight uses p_c, still detached: the p_c gradient is D-weighted MSE only."""
+    g = torch.Generator().manual_seed(1)
+    pc = torch.randn(1, 1, 2, 2, generator=g, requires_grad=True)
+    pu = torch.randn(1, 1, 2, 2, generator=g)
+    t = torch.randn(1, 1, 2, 2, generator=g)
+    loss, _ = IMBALoss(gamma=1.0, lam=1.0, patch_size=1, reference="cond")(pc, pu, t)
+    loss.backward()
+    d = (pc.detach() - pu) ** 2
+    torch.testing.assert_close(pc.grad, d * 2 * (pc.detach() - t) / 4)
+
+
+def test_gamma_zero_is_lambda_mixed_plain_mse():
+    g = torch.Generator().manual_seed(3)
+    pc, pu, t = (torch.randn(4, 4, 6, 6, generator=g) for _ in range(3))
+    loss, _ = IMBALoss(gamma=0.0, lam=0.7, patch_size=2)(pc, pu, t)
+    expected = 0.7 * plain_loss(pc, t)[0] + 0.3 * plain_loss(pu, t)[0]
+    torch.testing.assert_close(loss, expected)
+
+
+def test_larger_unconditional_error_gets_larger_weight():
+    t = torch.zeros(1, 4, 4, 4)
+    pu = torch.zeros(1, 4, 4, 4)
+    pu[:, :, :2, :2] = 3.0  # token 0 (top-left patch): large unconditional error
+    pu[:, :, :2, 2:] = 1.0  # token 1: small error; tokens 2, 3: none
+    weight, d = IMBALoss(patch_size=2).weights(torch.zeros_like(t), pu, t)
+    assert weight[0, 0] > weight[0, 1] > weight[0, 2]
+    torch.testing.assert_close(d[0], torch.tensor([9.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(weight[0, :2], torch.tensor([9.0 ** 0.8, 1.0]))
+
+
+def test_patchify_follows_dit_token_order():
+    x = torch.arange(2 * 4 * 6, dtype=torch.float32).view(1, 2, 4, 6)
+    tokens = patchify(x, 2)
+    assert tokens.shape == (1, 6, 8)
+    # token 1 is the patch at rows 0-1, columns 2-3, channel-major
+    assert tokens[0, 1].tolist() == [2, 3, 8, 9, 26, 27, 32, 33]
+
+
+def test_defaults_match_design():
+    fn = IMBALoss()
+    assert (fn.gamma, fn.lam, fn.patch_size, fn.granularity, fn.distance, fn.reference, fn.normalize) == (
+        0.8, 0.9, 2, "token", "mse", "target", "none")
+
+
+def test_stats_hold_weight_spread_and_terms():
+    g = torch.Generator().manual_seed(5)
+    pc, pu, t = (torch.randn(2, 4, 4, 4, generator=g) for _ in range(3))
+    loss, stats = IMBALoss()(pc, pu, t)
+    for key in ("weight_mean", "weight_std", "loss_cond_weighted", "loss_uncond"):
+        assert torch.isfinite(stats[key])
+    torch.testing.assert_close(loss, 0.9 * stats["loss_cond_weighted"] + 0.1 * stats["loss_uncond"])
+    assert stats["distance_per_sample"].shape == (2,)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(granularity="pixel"), "granularity"), (dict(distance="cos"), "distance"),
+    (dict(reference="uncond"), "reference"), (dict(normalize="softmax"), "normalize"),
+    (dict(lam=1.5), "lam"), (dict(gamma=-1), "gamma"),
+])
+def test_bad_switches_fail_clearly(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        IMBALoss(**kwargs)
+
+
+def test_bad_shapes_fail_clearly():
+    with pytest.raises(ValueError, match="divisible"):
+        IMBALoss(patch_size=2)(*(torch.zeros(1, 4, 5, 4) for _ in range(3)))
+    with pytest.raises(ValueError, match="one shape"):
+        IMBALoss()(torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), torch.zeros(2, 4, 4, 4))

@@ -1,0 +1,88 @@
+"""DiT presets, frozen encoders and the pieces that connect them, at tiny sizes and offline."""
+
+import pytest
+import torch
+
+from models.dit import PRESETS, build_transformer, count_parameters, predict
+from models.text_encoder import TextConditioner, load_text_encoder
+from models.vae import encode_images, load_vae, vae_scale_factor
+
+
+def test_1b_preset_is_one_billion_parameters_at_256px_with_t5_xxl():
+    n = count_parameters("1b", sample_size=256 // 8, caption_channels=4096)
+    assert 0.95e9 <= n <= 1.05e9, n
+    assert PRESETS["1b"].num_layers == 28
+
+
+def test_presets_grow_in_size():
+    sizes = [count_parameters(name, sample_size=32, caption_channels=4096) for name in ("tiny", "small", "base", "1b")]
+    assert sizes == sorted(sizes)
+    assert count_parameters("tiny", sample_size=16, caption_channels=64) < 10e6
+
+
+def test_unknown_preset_names_choices():
+    with pytest.raises(ValueError, match="tiny, small, base, 1b"):
+        build_transformer("huge", 16, 64)
+
+
+def test_tiny_encoders_are_frozen_deterministic_and_offline():
+    tok_a, t5_a = load_text_encoder("tiny")
+    _, t5_b = load_text_encoder("tiny")
+    assert not t5_a.training and not any(p.requires_grad for p in t5_a.parameters())
+    for a, b in zip(t5_a.parameters(), t5_b.parameters()):
+        assert torch.equal(a, b)
+    vae = load_vae("tiny")
+    assert not vae.training and not any(p.requires_grad for p in vae.parameters())
+    assert vae_scale_factor(vae) == 8 and vae.config.latent_channels == 4
+    assert vae.config.scaling_factor == pytest.approx(0.18215)
+    latents = encode_images(vae, torch.zeros(2, 3, 64, 64), generator=torch.Generator().manual_seed(0))
+    assert latents.shape == (2, 4, 8, 8)
+
+
+def test_missing_weights_fail_with_a_clear_message(tmp_path):
+    with pytest.raises(OSError, match="model.vae"):
+        load_vae(str(tmp_path / "no-such-vae"))
+    with pytest.raises(OSError, match="model.text_encoder"):
+        load_text_encoder(str(tmp_path / "no-such-t5"))
+
+
+def test_null_embedding_matches_encoding_the_empty_caption():
+    tok, t5 = load_text_encoder("tiny")
+    text = TextConditioner(tok, t5, max_length=16)
+    embeds, mask = text.encode(["", "a red circle"])
+    torch.testing.assert_close(text.null_embeds[0], embeds[0])
+    assert text.null_mask.sum() == 1  # only the end-of-sequence token is real
+    assert mask[1].sum() == len("a red circle") + 1  # byte tokens + EOS
+    null_embeds, null_mask = text.null_like(3)
+    assert null_embeds.shape == (3, 16, 64) and null_mask.shape == (3, 16)
+
+
+def test_dit_respects_the_text_attention_mask():
+    """Changing embeddings at masked (padding) positions must not change the prediction."""
+    torch.manual_seed(0)
+    dit = build_transformer("tiny", sample_size=8, caption_channels=64).eval()
+    x = torch.randn(2, 4, 8, 8)
+    t = torch.tensor([10.0, 500.0])
+    emb = torch.randn(2, 12, 64)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    mask[:, :5] = 1
+    emb_changed = emb.clone()
+    emb_changed[:, 5:] = torch.randn(2, 7, 64) * 10
+    with torch.no_grad():
+        out = predict(dit, x, t, emb, mask)
+        out_padding_changed = predict(dit, x, t, emb_changed, mask)
+        out_unmasked = predict(dit, x, t, emb_changed, torch.ones_like(mask))
+    assert out.shape == (2, 4, 8, 8)
+    torch.testing.assert_close(out, out_padding_changed, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, out_unmasked, atol=1e-4)
+
+
+def test_predict_keeps_the_mean_channels_of_learned_variance_checkpoints():
+    torch.manual_seed(0)
+    dit = build_transformer("tiny", sample_size=8, caption_channels=64)
+    dit.register_to_config(out_channels=8)
+    full = torch.nn.Linear(dit.proj_out.in_features, 2 * 2 * 8)  # patch 2 × 2, 8 output channels
+    dit.proj_out = full
+    dit.out_channels = 8
+    out = predict(dit, torch.randn(1, 4, 8, 8), torch.tensor([1.0]), torch.randn(1, 4, 64), torch.ones(1, 4))
+    assert out.shape == (1, 4, 8, 8)

@@ -1,0 +1,228 @@
+"""Train a PixArt-style diffusion transformer with the IMBA loss.
+
+    python train.py                                   # tiny CPU default: synthetic shards, random tiny T5/VAE
+    python train.py --config configs/tiny.yaml loss.kind=plain train.max_steps=50
+    accelerate launch train.py --config configs/1b_256.yaml --resume latest
+
+Reads top to bottom: config → accelerator → frozen encoders, DiT, EMA → data → loop (noise, loss, step, EMA,
+log, checkpoint, sample grid) → export of a diffusers pipeline folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import EMAModel
+from tqdm.auto import tqdm
+
+from data.shards import expand_urls, make_image_text_loader
+from data.synthetic import write_synthetic_shards
+from imba.checkpoints import TrainState, resolve_resume, save_checkpoint
+from imba.config import Config, ConfigError, load_config, save_config, to_dict
+from imba.monitor import JsonlLogger, MetricWindow
+from imba.objectives import build_objective
+from imba.step import TrainingLoss
+from models.dit import build_transformer, predict
+from models.pipeline import build_pipeline, export_pipeline, image_grid, sample_images
+from models.text_encoder import TextConditioner, load_text_encoder
+from models.vae import encode_images, load_vae, vae_scale_factor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_accelerator(cfg: Config, out: Path) -> Accelerator:
+    trackers = [] if cfg.train.trackers == "none" else [t.strip() for t in cfg.train.trackers.split(",")]
+    if "tensorboard" in trackers:
+        try:
+            import tensorboard  # noqa: F401  (accelerate's tracker needs it; skip quietly when absent)
+        except ImportError:
+            trackers.remove("tensorboard")
+    return Accelerator(
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+    )
+
+
+def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[str]:
+    """The configured shards, or a synthetic shard set written once by the main process."""
+    if cfg.data.shards:
+        return expand_urls(cfg.data.shards)
+    folder = Path(cfg.data.synthetic_dir or out / "synthetic_shards")
+    if accelerator.is_main_process:
+        write_synthetic_shards(folder, num_samples=cfg.data.synthetic_samples, resolution=cfg.data.resolution,
+                               seed=cfg.train.seed, progress=True)
+    accelerator.wait_for_everyone()
+    return write_synthetic_shards(folder, num_samples=cfg.data.synthetic_samples, resolution=cfg.data.resolution,
+                                  seed=cfg.train.seed)  # already complete: returns the paths without writing
+
+
+def save_samples(cfg: Config, pipe_parts: dict, transformer, ema: EMAModel, path: Path) -> None:
+    """A grid of the fixed prompts, sampled from the EMA weights (the training weights are put back after)."""
+    ema.store(transformer.parameters())
+    ema.copy_to(transformer.parameters())
+    transformer.eval()
+    try:
+        pipe = build_pipeline(transformer=transformer, **pipe_parts)
+        images = sample_images(pipe, cfg.sample.prompts, cfg.data.resolution, cfg.sample.guidance_scale,
+                               cfg.sample.steps, cfg.sample.seed, cfg.model.max_text_tokens)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image_grid(images).save(path)
+    finally:
+        transformer.train()
+        ema.restore(transformer.parameters())
+
+
+def main(argv: list[str]) -> Path:
+    # ---- config and accelerator -------------------------------------------------------------------------------
+    cfg = load_config(argv)
+    out = Path(cfg.train.output_dir)
+    accelerator = make_accelerator(cfg, out)
+    device, is_main = accelerator.device, accelerator.is_main_process
+    set_seed(cfg.train.seed)  # identical initial weights on every rank
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+
+    # ---- frozen encoders, the DiT, EMA -------------------------------------------------------------------------
+    encoder_dtype = DTYPES[cfg.model.encoder_dtype]
+    tokenizer, t5 = load_text_encoder(cfg.model.text_encoder, cfg.model.text_encoder_subfolder,
+                                      cfg.model.tokenizer_subfolder, dtype=encoder_dtype)
+    text = TextConditioner(tokenizer, t5.to(device), cfg.model.max_text_tokens).to(device)
+    vae = load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=encoder_dtype).to(device)
+    latent_size, rest = divmod(cfg.data.resolution, vae_scale_factor(vae))
+    if rest:
+        raise ConfigError(f"data.resolution={cfg.data.resolution} must be a multiple of the VAE's "
+                          f"downsampling factor {vae_scale_factor(vae)}")
+    transformer = build_transformer(cfg.model.preset, latent_size, text.hidden_size,
+                                    in_channels=vae.config.latent_channels)
+    ema = EMAModel(transformer.parameters(), decay=cfg.optim.ema_decay, model_cls=type(transformer),
+                   model_config=transformer.config)
+    objective = build_objective(cfg.objective.kind, **objective_kwargs(cfg))
+    loss_fn = TrainingLoss(cfg.loss.kind, gamma=cfg.loss.gamma, lam=cfg.loss.lam,
+                           patch_size=transformer.config.patch_size, distance=cfg.loss.distance,
+                           reference=cfg.loss.reference, normalize=cfg.loss.normalize)
+
+    # ---- optimizer, schedule, checkpoint state -----------------------------------------------------------------
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                  betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps)
+    # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes.
+    lr_scheduler = get_scheduler("constant_with_warmup", optimizer,
+                                 num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes)
+    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    ema.to(device)
+    state = TrainState()
+    accelerator.register_for_checkpointing(ema, state)
+    checkpoint_root = out / "checkpoints"
+    resume_from = resolve_resume(cfg.train.resume, checkpoint_root)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        accelerator.print(f"resumed from {resume_from} at step {state.step}")
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    loader = make_image_text_loader(
+        training_shards(cfg, accelerator, out), resolution=cfg.data.resolution, batch_size=cfg.data.batch_size,
+        num_workers=cfg.data.num_workers, seed=cfg.train.seed, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, resume_step=state.step, shuffle_buffer=cfg.data.shuffle_buffer,
+        caption_field=cfg.data.caption_field,
+    )
+    batches = iter(loader)
+
+    # ---- loop ------------------------------------------------------------------------------------------------
+    model = accelerator.unwrap_model(transformer)
+    pipe_parts = dict(vae=vae, text_encoder=t5, tokenizer=tokenizer, scheduler=objective.sampling_scheduler())
+    accelerator.init_trackers("imba-dit", config=flat_config(cfg))
+    metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
+    window = MetricWindow()
+    progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
+    images_per_step = cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes
+    window_start, window_start_step = time.perf_counter(), state.step
+
+    def predict_fn(noisy, timesteps, embeds, mask):
+        return predict(transformer, noisy, timesteps, embeds, mask)
+
+    while state.step < cfg.train.max_steps:
+        batch = next(batches)
+        with accelerator.accumulate(transformer):
+            latents = encode_images(vae, batch["pixels"].to(device))
+            cond = text.encode(batch["captions"])
+            noised = objective.noise(latents)
+            with accelerator.autocast():
+                loss, stats = loss_fn(predict_fn, noised, cond, text.null_like(latents.shape[0]))
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
+                stats["grad_norm"] = accelerator.clip_grad_norm_(transformer.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        window.add(stats)
+        if not accelerator.sync_gradients:
+            continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
+
+        ema.step(model.parameters())
+        state.step += 1
+        progress.update(1)
+        step = state.step
+        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            metrics = {k: accelerator.reduce(torch.tensor(v, device=device), "mean").item()
+                       for k, v in window.means().items()}
+            elapsed = time.perf_counter() - window_start
+            metrics.update(lr=lr_scheduler.get_last_lr()[0], ema_decay=ema.cur_decay_value,
+                           images_per_s=images_per_step * (step - window_start_step) / elapsed)
+            window_start, window_start_step = time.perf_counter(), step
+            accelerator.log(metrics, step=step)
+            if is_main:
+                metrics_log.log(step, metrics)
+                progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+        last = step == cfg.train.max_steps
+        if last or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints)
+            window_start, window_start_step = time.perf_counter(), step  # keep I/O out of images_per_s
+        if is_main and (last or (cfg.train.sample_every and step % cfg.train.sample_every == 0)):
+            save_samples(cfg, pipe_parts, model, ema, out / "samples" / f"step_{step:07d}.png")
+            window_start, window_start_step = time.perf_counter(), step
+    progress.close()
+
+    # ---- export: EMA weights + frozen parts as a stock diffusers pipeline folder -----------------------------
+    export_dir = out / "export"
+    if is_main:
+        ema_model = copy.deepcopy(model)
+        ema.copy_to(ema_model.parameters())
+        export_pipeline(build_pipeline(transformer=ema_model, **pipe_parts), export_dir)
+        print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
+              f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
+              f"(PixArtAlphaPipeline.from_pretrained('{export_dir}'))")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return export_dir
+
+
+def objective_kwargs(cfg: Config) -> dict:
+    o = cfg.objective
+    if o.kind == "flow":
+        return dict(logit_mean=o.logit_mean, logit_std=o.logit_std, shift=o.shift)
+    return dict(beta_schedule=o.beta_schedule, beta_start=o.beta_start, beta_end=o.beta_end)
+
+
+def flat_config(cfg: Config) -> dict:
+    """Tracker-friendly flat view of the config (TensorBoard hparams take scalars only)."""
+    flat = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
