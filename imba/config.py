@@ -82,8 +82,8 @@ class OptimConfig:
 @dataclass
 class SampleConfig:
     prompts: list[str] = field(default_factory=lambda: [
-        "a red circle", "a blue square", "a green triangle and a yellow star",
-        "a purple circle and an orange square",
+        # head concepts, a two-object composition, and the rarest pair of the synthetic set
+        "a red circle", "a blue square", "a green triangle and a yellow star", "a cyan ring",
     ])
     guidance_scale: float = 4.5
     steps: int = 20

@@ -60,3 +60,13 @@ def test_train_py_prints_one_line_and_exits_nonzero_on_a_bad_key():
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "error: unknown config key 'loss.gama' (did you mean loss.gamma?)"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(["--config", str(path)])
+    assert cfg.train.output_dir.startswith("outputs/")
+
+
+def test_tiny_yaml_spells_out_the_defaults():
+    assert load_config(["--config", str(REPO / "configs" / "tiny.yaml")]) == load_config([])

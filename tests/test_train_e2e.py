@@ -32,10 +32,13 @@ def ema_optimization_step(checkpoint: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_kind,objective", [("imba", "flow"), ("plain", "ddpm")])
-def test_train_save_resume_export(tmp_path, loss_kind, objective):
+@pytest.mark.parametrize("loss_kind,objective,extra", [
+    ("imba", "flow", ["train.grad_accum=2", "train.trackers=tensorboard"]),
+    ("plain", "ddpm", ["train.mixed_precision=bf16"]),
+])
+def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
     out = tmp_path / "run"
-    common = [*TINY_RUN, f"train.output_dir={out}", f"loss.kind={loss_kind}", f"objective.kind={objective}"]
+    common = [*TINY_RUN, f"train.output_dir={out}", f"loss.kind={loss_kind}", f"objective.kind={objective}", *extra]
     first = run_train([*common, "train.max_steps=4"], tmp_path)
     assert "done: step 4" in first.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
@@ -55,6 +58,8 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective):
     if loss_kind == "imba":
         assert {"weight_mean", "weight_std", "loss_cond_weighted", "loss_uncond"} <= rows[0].keys()
     assert (out / "config.yaml").is_file() and (out / "samples" / "step_0000006.png").is_file()
+    if "train.trackers=tensorboard" in extra:
+        assert list((out / "logs").rglob("events.out.tfevents.*"))
 
     # The export opens in a stock diffusers pipeline, offline, and generates at the trained size.
     from diffusers import PixArtAlphaPipeline
