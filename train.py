@@ -96,7 +96,7 @@ def main(argv: list[str]) -> Path:
     encoder_dtype = DTYPES[cfg.model.encoder_dtype]
     tokenizer, t5 = load_text_encoder(cfg.model.text_encoder, cfg.model.text_encoder_subfolder,
                                       cfg.model.tokenizer_subfolder, dtype=encoder_dtype)
-    text = TextConditioner(tokenizer, t5.to(device), cfg.model.max_text_tokens).to(device)
+    text = TextConditioner(tokenizer, t5.to(device), cfg.model.max_text_tokens)
     vae = load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=encoder_dtype).to(device)
     latent_size, rest = divmod(cfg.data.resolution, vae_scale_factor(vae))
     if rest:
@@ -126,6 +126,8 @@ def main(argv: list[str]) -> Path:
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
+    elif cfg.train.resume == "latest":
+        accelerator.print(f"--resume latest: no checkpoint in {checkpoint_root} yet, starting from step 0")
 
     # ---- data ------------------------------------------------------------------------------------------------
     loader = make_image_text_loader(

@@ -6,6 +6,7 @@ The export is a plain diffusers folder (transformer, vae, text_encoder, tokenize
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -34,18 +35,34 @@ def image_grid(images: list[Image.Image], columns: int | None = None) -> Image.I
 @torch.no_grad()
 def sample_images(pipe: PixArtAlphaPipeline, prompts: list[str], resolution: int, guidance_scale: float,
                   steps: int, seed: int, max_text_tokens: int) -> list[Image.Image]:
-    """Fixed prompts, fixed seed, classifier-free guidance; one image per prompt."""
+    """Fixed prompts, fixed seed, classifier-free guidance; one image per prompt.
+
+    During training the frozen encoders may be in bf16/fp16 while the DiT is float32; the pipeline itself assumes
+    one dtype, so mixed parts are run under autocast to the lowest one.
+    """
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    return pipe(
-        prompts, height=resolution, width=resolution, guidance_scale=guidance_scale, num_inference_steps=steps,
-        generator=generator, max_sequence_length=max_text_tokens, clean_caption=False,
-        # Resolution binning only knows PixArt's 256/512/1024 grids; we sample exactly the trained size.
-        use_resolution_binning=False,
-    ).images
+    dtypes = {pipe.transformer.dtype, pipe.vae.dtype, pipe.text_encoder.dtype}
+    mixed = contextlib.nullcontext()
+    if len(dtypes) > 1:
+        low = min(dtypes, key=lambda d: torch.finfo(d).bits)
+        mixed = torch.autocast(pipe.device.type, dtype=low)
+    with mixed:
+        return pipe(
+            prompts, height=resolution, width=resolution, guidance_scale=guidance_scale, num_inference_steps=steps,
+            generator=generator, max_sequence_length=max_text_tokens, clean_caption=False,
+            # Resolution binning only knows PixArt's 256/512/1024 grids; we sample exactly the trained size.
+            use_resolution_binning=False,
+        ).images
 
 
 def export_pipeline(pipe: PixArtAlphaPipeline, folder: Path) -> Path:
+    """Write the pipeline folder in float32, so `from_pretrained(folder)` gives one consistent dtype.
+
+    Moves the parts to the CPU in float32 in place: call it once, at the end of a run. For inference in half
+    precision, load with `from_pretrained(folder, torch_dtype=torch.bfloat16)`.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    pipe.to("cpu", torch.float32)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder

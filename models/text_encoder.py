@@ -44,7 +44,10 @@ def load_text_encoder(spec: str, subfolder: str = "", tokenizer_subfolder: str =
 
 
 class TextConditioner:
-    """Turns captions into (embeddings, attention mask) with a frozen encoder; holds the null (empty) caption."""
+    """Turns captions into (embeddings, attention mask) with a frozen encoder; holds the null (empty) caption.
+
+    Put the encoder on its device before constructing: the null embedding is computed there, once.
+    """
 
     def __init__(self, tokenizer, encoder: T5EncoderModel, max_length: int):
         self.tokenizer = tokenizer
@@ -64,12 +67,8 @@ class TextConditioner:
                                 add_special_tokens=True, return_tensors="pt")
         ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
         embeds = self.encoder(ids, attention_mask=mask)[0]
-        return embeds, mask
+        return embeds.float(), mask  # float32 like the DiT's weights; autocast lowers it where enabled
 
     def null_like(self, batch_size: int):
         return self.null_embeds.expand(batch_size, -1, -1), self.null_mask.expand(batch_size, -1)
 
-    def to(self, device):
-        self.encoder.to(device)
-        self.null_embeds, self.null_mask = self.null_embeds.to(device), self.null_mask.to(device)
-        return self

@@ -86,3 +86,21 @@ def test_predict_keeps_the_mean_channels_of_learned_variance_checkpoints():
     dit.out_channels = 8
     out = predict(dit, torch.randn(1, 4, 8, 8), torch.tensor([1.0]), torch.randn(1, 4, 64), torch.ones(1, 4))
     assert out.shape == (1, 4, 8, 8)
+
+
+def test_encoders_load_from_a_local_folder(tmp_path):
+    """Real runs pass a hub id or a folder; a saved tiny T5/VAE stands in for T5-XXL/SD-VAE (same code path)."""
+    tok, t5 = load_text_encoder("tiny")
+    tok.save_pretrained(tmp_path / "repo" / "tokenizer")
+    t5.save_pretrained(tmp_path / "repo" / "text_encoder")
+    load_vae("tiny").save_pretrained(tmp_path / "vae")
+
+    tok2, t5_2 = load_text_encoder(str(tmp_path / "repo"), subfolder="text_encoder", tokenizer_subfolder="tokenizer")
+    assert not t5_2.training and not any(p.requires_grad for p in t5_2.parameters())
+    ids = tok2(["a red circle"], return_tensors="pt").input_ids
+    assert torch.equal(ids, tok(["a red circle"], return_tensors="pt").input_ids)
+    torch.testing.assert_close(t5_2(ids)[0], t5(ids)[0])
+
+    vae = load_vae(str(tmp_path / "vae"), dtype=torch.bfloat16)
+    assert vae.dtype == torch.bfloat16 and not any(p.requires_grad for p in vae.parameters())
+    assert encode_images(vae, torch.zeros(1, 3, 32, 32)).shape == (1, 4, 4, 4)
