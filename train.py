@@ -109,7 +109,8 @@ def main(argv: list[str]) -> Path:
     objective = build_objective(cfg.objective.kind, **objective_kwargs(cfg))
     loss_fn = TrainingLoss(cfg.loss.kind, gamma=cfg.loss.gamma, lam=cfg.loss.lam,
                            patch_size=transformer.config.patch_size, distance=cfg.loss.distance,
-                           reference=cfg.loss.reference, normalize=cfg.loss.normalize)
+                           reference=cfg.loss.reference, normalize=cfg.loss.normalize,
+                           estimator=cfg.loss.estimator)
 
     # ---- optimizer, schedule, checkpoint state -----------------------------------------------------------------
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,

@@ -54,6 +54,9 @@ class LossConfig:
     distance: str = "mse"  # mse | l1 | l2
     reference: str = "target"  # target (paper) | cond (unbiased optimum, DESIGN §1)
     normalize: str = "none"  # none | batch_mean
+    # literal: cond + uncond passes with grad on every sample (≈ 2× a plain step); efficient: unbiased estimator of
+    # the same gradient, caption dropout 1 - lam + no-grad uncond pass on the kept samples (≈ 1.3×)
+    estimator: str = "literal"
 
 
 @dataclass
@@ -122,6 +125,7 @@ CHOICES = {
     "loss.distance": ("mse", "l1", "l2"),
     "loss.reference": ("target", "cond"),
     "loss.normalize": ("none", "batch_mean"),
+    "loss.estimator": ("literal", "efficient"),
     "objective.kind": ("flow", "ddpm"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
 }

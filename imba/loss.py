@@ -33,6 +33,11 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"IMBALoss: {name}={value!r} is not one of {', '.join(choices)}")
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Loss arithmetic in float32 even under bf16/fp16 autocast; float64 inputs stay float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
     """(B, C, H, W) -> (B, N, C·p·p): one row per DiT token, in the DiT's row-major token order."""
     b, c, h, w = x.shape
@@ -46,7 +51,7 @@ def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
 def token_distance(reference: torch.Tensor, other: torch.Tensor, patch_size: int, kind: str = "mse") -> torch.Tensor:
     """Per-token distance between two (B, C, H, W) tensors, shape (B, N)."""
     _check_choice("distance", kind, DISTANCES)
-    diff = patchify(reference.float() - other.float(), patch_size)
+    diff = patchify(_at_least_fp32(reference) - _at_least_fp32(other), patch_size)
     if kind == "mse":
         return diff.pow(2).mean(dim=-1)
     if kind == "l1":
@@ -88,8 +93,12 @@ class IMBALoss:
         if self.patch_size < 1:
             raise ValueError(f"IMBALoss: patch_size={self.patch_size} must be >= 1")
 
-    def weights(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor):
-        """Return (D, d): the detached weight per token (B, N) and the raw distance per token (B, N)."""
+    def weights(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
+                valid: torch.Tensor | None = None):
+        """Return (D, d): the detached weight per token (B, N) and the raw distance per token (B, N).
+
+        `valid` (bool, (B,)) marks the rows whose D is defined; `batch_mean` normalises over those rows only.
+        """
         reference = target if self.reference == "target" else pred_cond
         with torch.no_grad():
             d = token_distance(reference.detach(), pred_uncond.detach(), self.patch_size, self.distance)
@@ -99,36 +108,67 @@ class IMBALoss:
                 weight = d
             weight = weight.pow(self.gamma)
             if self.normalize == "batch_mean":
-                weight = weight / weight.mean().clamp_min(torch.finfo(weight.dtype).tiny)
+                mean = weight.mean() if valid is None else weight[valid].mean()
+                weight = weight / mean.clamp_min(torch.finfo(weight.dtype).tiny)
         return weight, d
 
-    def __call__(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor):
+    def __call__(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
+                 drop: torch.Tensor | None = None):
+        """The loss and its stats. Without `drop`: the literal form (every row contributes λ·L* + (1 − λ)·L_u).
+
+        With `drop` (bool, (B,), drawn by `draw_drop_mask`): the efficient, unbiased form. Dropped rows contribute
+        only their L_u term (pred_uncond must carry the gradient there; pred_cond is ignored); kept rows contribute
+        only their L* term (pred_uncond may come from a no-grad pass: it only sets D). Every per-row term is
+        divided by B, so over drop ~ Bernoulli(1 − λ) the expected loss and gradient equal the literal form's.
+        With reference="cond", D exists only on kept rows, and `batch_mean` normalises over them.
+        """
         if not (pred_cond.shape == pred_uncond.shape == target.shape) or pred_cond.dim() != 4:
             raise ValueError(
                 "IMBALoss expects pred_cond, pred_uncond and target of one shape (B, C, H, W); got "
                 f"{tuple(pred_cond.shape)}, {tuple(pred_uncond.shape)}, {tuple(target.shape)}"
             )
-        weight, d = self.weights(pred_cond, pred_uncond, target)
+        b = target.shape[0]
+        if drop is not None and (drop.shape != (b,) or drop.dtype != torch.bool):
+            raise ValueError(f"IMBALoss: drop must be a bool tensor of shape ({b},), got {drop.dtype} {tuple(drop.shape)}")
+        keep = None if drop is None else ~drop
+        valid = keep if (drop is not None and self.reference == "cond") else None
+        weight, d = self.weights(pred_cond, pred_uncond, target, valid)
         cond_err = token_distance(target, pred_cond, self.patch_size, "mse")  # (B, N), carries grad
-        loss_cond = (weight * cond_err).mean()
-        loss_uncond = F.mse_loss(pred_uncond.float(), target.float())
-        loss = self.lam * loss_cond + (1.0 - self.lam) * loss_uncond
+        cond_term = (weight * cond_err).mean(dim=1)  # per sample: mean over tokens of D · error
+        uncond_term = (_at_least_fp32(pred_uncond) - _at_least_fp32(target)).pow(2).flatten(1).mean(dim=1)
+        if drop is None:
+            loss = self.lam * cond_term.mean() + (1.0 - self.lam) * uncond_term.mean()
+            loss_cond, valid_rows = cond_term.detach().mean(), slice(None)
+        else:
+            loss = torch.where(drop, uncond_term, cond_term).mean()
+            loss_cond = (cond_term.detach() * keep).sum() / keep.sum().clamp_min(1)
+            valid_rows = slice(None) if valid is None else valid
+        valid_weight, valid_d = weight[valid_rows], d[valid_rows]
+        if valid_weight.numel() == 0:  # reference="cond" and every row dropped: no weight defined this batch
+            valid_weight = valid_d = weight.new_full((1,), float("nan"))
         stats = {
             "loss": loss.detach(),
-            "loss_cond_weighted": loss_cond.detach(),
-            "loss_uncond": loss_uncond.detach(),
-            "loss_cond_plain": cond_err.detach().mean(),
-            "weight_mean": weight.mean(),
-            "weight_std": weight.std(unbiased=False),
-            "weight_max": weight.max(),
-            "distance_mean": d.mean(),
-            # per-sample distance, for monitors that bucket samples by concept frequency
-            "distance_per_sample": d.mean(dim=1),
+            "loss_cond_weighted": loss_cond,
+            # every row has an unconditional prediction (with or without grad): the mean over all is the estimate
+            "loss_uncond": uncond_term.detach().mean(),
+            "loss_cond_plain": cond_err.detach()[keep if keep is not None else slice(None)].mean(),
+            "weight_mean": valid_weight.mean(),
+            "weight_std": valid_weight.std(unbiased=False),
+            "weight_max": valid_weight.max(),
+            "distance_mean": valid_d.mean(),
+            # per-sample distance, for monitors that bucket samples by concept frequency (NaN where undefined)
+            "distance_per_sample": d.mean(dim=1) if valid is None else d.mean(dim=1).masked_fill(~valid, float("nan")),
         }
+        if drop is not None:
+            stats["caption_dropout_rate"] = drop.float().mean()
         return loss, stats
+
+    def draw_drop_mask(self, batch_size: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+        """Rows that train the unconditional term in the efficient form: each dropped with probability 1 − λ."""
+        return torch.rand((batch_size,), generator=generator, device=device) < (1.0 - self.lam)
 
 
 def plain_loss(pred: torch.Tensor, target: torch.Tensor):
     """Plain diffusion MSE (the baseline; its caption dropout happens before the forward pass)."""
-    loss = F.mse_loss(pred.float(), target.float())
+    loss = F.mse_loss(_at_least_fp32(pred), _at_least_fp32(target))
     return loss, {"loss": loss.detach()}

@@ -23,6 +23,8 @@ class MetricWindow:
                 if value.numel() != 1:
                     continue  # per-sample tensors are for bucketed monitors, not scalar logs
                 value = value.item()
+            if not math.isfinite(value):
+                continue  # e.g. a weight statistic that is undefined for this batch
             self._sums[name] += float(value)
             self._counts[name] += 1
 

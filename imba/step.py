@@ -3,9 +3,12 @@
 `TrainingLoss` is model-agnostic: it receives a `predict(noisy, timesteps, text_embeds, text_mask)` callable, so
 any network with conditional and null text inputs can use it.
 
-- `imba` / `imba_sample`: conditional and unconditional predictions for every sample, run as one batched forward
-  of size 2B (one pass over the weights, twice the tokens), then `IMBALoss`. Caption dropout is not used: the
-  (1 − λ)·L_u term trains the unconditional model instead.
+- `imba` / `imba_sample`, `estimator="literal"`: conditional and unconditional predictions for every sample, both
+  with gradient, run as one batched forward of size 2B, then `IMBALoss`. Cost ≈ 2× a plain step.
+- `imba` / `imba_sample`, `estimator="efficient"`: the unbiased form. Each sample is dropped with probability 1 − λ;
+  one forward of B samples with gradient (kept rows with their caption, dropped rows with the null caption — the
+  same pass as plain training with caption dropout), plus a no-grad unconditional forward of the kept rows only,
+  which supplies their weight D. Same expected loss and gradient as the literal form; cost ≈ 1.3× a plain step.
 - `plain`: the baseline: captions replaced by the null caption with probability 1 − λ, then MSE.
 """
 
@@ -20,36 +23,61 @@ from imba.objectives import NoisedBatch
 
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 LOSS_KINDS = ("imba", "imba_sample", "plain")
+ESTIMATORS = ("literal", "efficient")
 
 
 class TrainingLoss:
     def __init__(self, kind: str = "imba", gamma: float = 0.8, lam: float = 0.9, patch_size: int = 2,
-                 distance: str = "mse", reference: str = "target", normalize: str = "none"):
+                 distance: str = "mse", reference: str = "target", normalize: str = "none",
+                 estimator: str = "literal"):
         if kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown IMBA estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
         self.kind = kind
+        self.estimator = estimator
         self.lam = lam
         self.imba = IMBALoss(gamma=gamma, lam=lam, patch_size=patch_size, distance=distance, reference=reference,
                              normalize=normalize, granularity="sample" if kind == "imba_sample" else "token")
 
     def __call__(self, predict: Predict, noised: NoisedBatch, cond: tuple[torch.Tensor, torch.Tensor],
-                 null: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator | None = None):
-        embeds, mask = cond
-        null_embeds, null_mask = null
-        b = noised.noisy.shape[0]
+                 null: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator | None = None,
+                 drop: torch.Tensor | None = None):
+        """Loss and stats of one batch. `drop` (bool, (B,)) fixes which rows get the null caption (plain and
+        efficient only); by default it is drawn with probability 1 − λ per row."""
+        if drop is None and (self.kind == "plain" or self.estimator == "efficient"):
+            drop = self.imba.draw_drop_mask(noised.noisy.shape[0], generator=generator, device=cond[0].device)
         if self.kind == "plain":
-            drop = torch.rand((b,), generator=generator, device=embeds.device) < (1.0 - self.lam)
-            embeds = torch.where(drop[:, None, None], null_embeds, embeds)
-            mask = torch.where(drop[:, None], null_mask, mask)
-            pred = predict(noised.noisy, noised.timesteps, embeds, mask)
+            pred = predict(noised.noisy, noised.timesteps, *_null_where_dropped(drop, cond, null))
             loss, stats = plain_loss(pred, noised.target)
             stats["caption_dropout_rate"] = drop.float().mean()
             return loss, stats
+        if self.estimator == "efficient":
+            return self._efficient(predict, noised, cond, null, drop)
+        b = noised.noisy.shape[0]
         both = predict(
             torch.cat([noised.noisy, noised.noisy]),
             torch.cat([noised.timesteps, noised.timesteps]),
-            torch.cat([embeds, null_embeds]),
-            torch.cat([mask, null_mask]),
+            torch.cat([cond[0], null[0]]),
+            torch.cat([cond[1], null[1]]),
         )
-        pred_cond, pred_uncond = both[:b], both[b:]
-        return self.imba(pred_cond, pred_uncond, noised.target)
+        return self.imba(both[:b], both[b:], noised.target)
+
+    def _efficient(self, predict, noised, cond, null, drop):
+        # the only pass with gradient: exactly a plain step with caption dropout
+        pred = predict(noised.noisy, noised.timesteps, *_null_where_dropped(drop, cond, null))
+        pred_uncond = pred
+        kept = (~drop).nonzero(as_tuple=True)[0]
+        if kept.numel():
+            with torch.no_grad():  # the kept rows' unconditional prediction only sets their weight D
+                uncond_kept = predict(noised.noisy[kept], noised.timesteps[kept], null[0][kept], null[1][kept])
+            pred_uncond = pred.index_put((kept,), uncond_kept.to(pred.dtype))
+        # pred's dropped rows hold unconditional predictions; given `drop`, IMBALoss uses them only as such
+        return self.imba(pred, pred_uncond, noised.target, drop=drop)
+
+
+def _null_where_dropped(drop: torch.Tensor, cond, null):
+    """(embeds, mask) with the null caption on the rows where `drop` is True."""
+    embeds = torch.where(drop[:, None, None], null[0], cond[0])
+    mask = torch.where(drop[:, None], null[1], cond[1])
+    return embeds, mask

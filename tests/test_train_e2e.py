@@ -33,7 +33,8 @@ def ema_optimization_step(checkpoint: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_kind,objective,extra", [
-    ("imba", "flow", ["train.grad_accum=2", "train.trackers=tensorboard", "model.encoder_dtype=bfloat16"]),
+    ("imba", "flow", ["train.grad_accum=2", "train.trackers=tensorboard", "model.encoder_dtype=bfloat16",
+                      "loss.estimator=efficient"]),
     ("plain", "ddpm", ["train.mixed_precision=bf16"]),
 ])
 def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):

@@ -1,0 +1,127 @@
+"""The efficient IMBA estimator is unbiased: exactly, by enumerating every dropout mask of a small batch.
+
+Literal form: L = λ·L* + (1 − λ)·L_u on every row. Efficient form: rows dropped with probability 1 − λ train L_u,
+kept rows train L* with D from a no-grad unconditional pass. Σ over all 2^B masks of P(mask)·∇L_eff(mask) must
+equal ∇L_literal up to float rounding (float64 here).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from imba import IMBALoss
+from imba.objectives import build_objective
+from imba.step import TrainingLoss
+from models.dit import build_transformer, predict
+
+B = 4
+
+
+def all_masks(b):
+    for bits in itertools.product([False, True], repeat=b):
+        yield torch.tensor(bits)
+
+
+def mask_probability(drop, lam):
+    p = 1.0
+    for dropped in drop.tolist():
+        p *= (1 - lam) if dropped else lam
+    return p
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    dit = build_transformer("tiny", sample_size=4, caption_channels=16).double()
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(B, 4, 4, 4, generator=g, dtype=torch.float64)
+    noised = build_objective("flow").noise(latents, generator=g)
+    cond = (torch.randn(B, 5, 16, generator=g, dtype=torch.float64), torch.ones(B, 5, dtype=torch.long))
+    null_mask = torch.zeros(B, 5, dtype=torch.long)
+    null_mask[:, 0] = 1
+    null = (torch.randn(1, 5, 16, generator=g, dtype=torch.float64).expand(B, -1, -1), null_mask)
+    return dit, noised, cond, null
+
+
+def gradient(dit, loss):
+    dit.zero_grad()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in dit.parameters()])
+
+
+@pytest.mark.parametrize("kind,reference,normalize", [
+    ("imba", "target", "none"), ("imba", "cond", "none"), ("imba_sample", "target", "none"),
+    ("imba_sample", "cond", "none"), ("imba", "target", "batch_mean"),
+])
+def test_efficient_gradient_is_the_literal_gradient_in_expectation(setup, kind, reference, normalize):
+    dit, noised, cond, null = setup
+    lam = 0.7  # not 0.9, so every mask has a probability well above float64 rounding
+    kwargs = dict(kind=kind, gamma=0.8, lam=lam, reference=reference, normalize=normalize)
+    predict_fn = lambda *a: predict(dit, *a)  # noqa: E731
+    literal_loss, _ = TrainingLoss(**kwargs, estimator="literal")(predict_fn, noised, cond, null)
+    literal = gradient(dit, literal_loss)
+
+    efficient = TrainingLoss(**kwargs, estimator="efficient")
+    expected_grad = torch.zeros_like(literal)
+    expected_loss = 0.0
+    for drop in all_masks(B):
+        loss, _ = efficient(predict_fn, noised, cond, null, drop=drop)
+        p = mask_probability(drop, lam)
+        expected_grad += p * gradient(dit, loss)
+        expected_loss += p * loss.item()
+    assert expected_loss == pytest.approx(literal_loss.item(), rel=1e-10)
+    torch.testing.assert_close(expected_grad, literal, rtol=1e-9, atol=1e-12)
+    # and the estimator is not trivially the literal form: single masks give other gradients
+    one_mask, _ = efficient(predict_fn, noised, cond, null, drop=torch.tensor([True, False, False, False]))
+    assert not torch.allclose(gradient(dit, one_mask), literal)
+
+
+def test_loss_level_expectation_over_masks():
+    g = torch.Generator().manual_seed(0)
+    pc, pu, t = (torch.randn(3, 4, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    fn = IMBALoss(gamma=0.8, lam=0.6)
+    literal, _ = fn(pc, pu, t)
+    expected = sum(mask_probability(m, 0.6) * fn(pc, pu, t, drop=m)[0] for m in all_masks(3))
+    torch.testing.assert_close(expected, literal)
+
+
+def test_dropped_rows_ignore_pred_cond_and_kept_rows_ignore_uncond_gradient():
+    g = torch.Generator().manual_seed(0)
+    pc = torch.randn(2, 4, 2, 2, generator=g, requires_grad=True)
+    pu = torch.randn(2, 4, 2, 2, generator=g, requires_grad=True)
+    t = torch.randn(2, 4, 2, 2, generator=g)
+    drop = torch.tensor([True, False])
+    loss, stats = IMBALoss()(pc, pu, t, drop=drop)
+    loss.backward()
+    assert torch.count_nonzero(pc.grad[0]) == 0 and torch.count_nonzero(pc.grad[1]) > 0
+    assert torch.count_nonzero(pu.grad[1]) == 0 and torch.count_nonzero(pu.grad[0]) > 0
+    assert stats["caption_dropout_rate"].item() == 0.5
+
+
+def test_drop_mask_rate_and_validation():
+    fn = IMBALoss(lam=0.9)
+    drop = fn.draw_drop_mask(20000, generator=torch.Generator().manual_seed(0))
+    assert abs(drop.float().mean().item() - 0.1) < 0.01
+    z = torch.zeros(2, 4, 2, 2)
+    with pytest.raises(ValueError, match="drop must be a bool tensor"):
+        fn(z, z, z, drop=torch.tensor([1, 0]))
+
+
+def test_efficient_runs_one_grad_pass_and_a_no_grad_pass_of_the_kept_rows(setup):
+    dit, noised, cond, null = setup
+    passes = []
+
+    def counting_predict(noisy, t, embeds, mask):
+        passes.append((noisy.shape[0], torch.is_grad_enabled()))
+        return predict(dit, noisy, t, embeds, mask)
+
+    drop = torch.tensor([True, False, True, False])
+    TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
+    assert passes == [(4, True), (2, False)]
+    passes.clear()
+    TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=torch.ones(4, dtype=torch.bool))
+    assert passes == [(4, True)]  # nothing kept: no unconditional pass needed
+    passes.clear()
+    TrainingLoss("imba", estimator="literal")(counting_predict, noised, cond, null)
+    assert passes == [(8, True)]
