@@ -10,7 +10,6 @@ log, checkpoint, sample grid) → export of a diffusers pipeline folder.
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from imba.config import Config, ConfigError, load_config, save_config, to_dict
 from imba.monitor import JsonlLogger, MetricWindow
 from imba.objectives import build_objective
 from imba.step import TrainingLoss
-from models.dit import build_transformer, predict
+from models.dit import apply_speed_settings, build_transformer, predict
 from models.pipeline import build_pipeline, export_pipeline, image_grid, sample_images
 from models.text_encoder import TextConditioner, load_text_encoder
 from models.vae import encode_images, load_vae, vae_scale_factor
@@ -88,6 +87,7 @@ def main(argv: list[str]) -> Path:
     accelerator = make_accelerator(cfg, out)
     device, is_main = accelerator.device, accelerator.is_main_process
     set_seed(cfg.train.seed)  # identical initial weights on every rank
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
@@ -118,6 +118,7 @@ def main(argv: list[str]) -> Path:
     # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes.
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer,
                                  num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes)
+    apply_speed_settings(transformer, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
     ema.to(device)
     state = TrainState()
@@ -197,7 +198,7 @@ def main(argv: list[str]) -> Path:
     # ---- export: EMA weights + frozen parts as a stock diffusers pipeline folder -----------------------------
     export_dir = out / "export"
     if is_main:
-        ema_model = copy.deepcopy(model)
+        ema_model = type(model).from_config(model.config)  # a clean instance: no compile/checkpointing state
         ema.copy_to(ema_model.parameters())
         export_pipeline(build_pipeline(transformer=ema_model, **pipe_parts), export_dir)
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "

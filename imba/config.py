@@ -83,6 +83,14 @@ class OptimConfig:
 
 
 @dataclass
+class SpeedConfig:
+    attention: str = "sdpa"  # sdpa (torch scaled_dot_product_attention) | eager
+    gradient_checkpointing: bool = False  # recompute block activations in backward: less memory, ~30 % more compute
+    compile: bool = False  # torch.compile the DiT (first steps are slow while it compiles)
+    tf32: bool = True  # TF32 matmuls/convolutions on Ampere+ GPUs (no effect on CPU)
+
+
+@dataclass
 class SampleConfig:
     prompts: list[str] = field(default_factory=lambda: [
         # head concepts, a two-object composition, and the rarest pair of the synthetic set
@@ -115,6 +123,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -127,6 +136,7 @@ CHOICES = {
     "loss.normalize": ("none", "batch_mean"),
     "loss.estimator": ("literal", "efficient"),
     "objective.kind": ("flow", "ddpm"),
+    "speed.attention": ("sdpa", "eager"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
 }
 

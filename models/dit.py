@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import PixArtTransformer2DModel
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,31 @@ def build_transformer(preset: str, sample_size: int, caption_channels: int, in_c
         # Resolution/aspect micro-conditioning is off: diffusers would otherwise switch it on for sample_size 128.
         use_additional_conditions=False,
     )
+
+
+ATTENTION_BACKENDS = {
+    "sdpa": AttnProcessor2_0,  # torch's scaled_dot_product_attention: flash / memory-efficient kernels on GPU
+    "eager": AttnProcessor,  # explicit softmax(QKᵀ)V; a reference, and for debugging
+}
+
+
+def apply_speed_settings(transformer: PixArtTransformer2DModel, attention: str = "sdpa",
+                         gradient_checkpointing: bool = False, compile: bool = False) -> PixArtTransformer2DModel:
+    """Switches that change speed and memory, not results (each is tested for equal outputs at tiny size).
+
+    compile uses `nn.Module.compile`, which compiles in place: the module keeps its type, so accelerate,
+    checkpoints and the diffusers export see the plain PixArtTransformer2DModel.
+    """
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {attention!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    transformer.set_attn_processor(ATTENTION_BACKENDS[attention]())
+    if gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    else:
+        transformer.disable_gradient_checkpointing()
+    if compile:
+        transformer.compile()
+    return transformer
 
 
 def count_parameters(preset: str, sample_size: int = 32, caption_channels: int = 4096) -> int:

@@ -1,0 +1,73 @@
+"""Speed switches change speed and memory, not results: each is compared with the default at tiny size."""
+
+import pytest
+import torch
+
+from imba.config import load_config
+from imba.objectives import RectifiedFlow
+from imba.step import TrainingLoss
+from models.dit import apply_speed_settings, build_transformer, predict
+
+
+def tiny_dit():
+    torch.manual_seed(0)
+    return build_transformer("tiny", sample_size=8, caption_channels=16)
+
+
+def loss_and_grads(dit, autocast_dtype=None):
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(4, 4, 8, 8, generator=g)
+    noised = RectifiedFlow().noise(latents, generator=g)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[:, 4:] = 0
+    cond = (torch.randn(4, 6, 16, generator=g), mask)
+    null_mask = torch.zeros(4, 6, dtype=torch.long)
+    null_mask[:, 0] = 1
+    null = (torch.randn(1, 6, 16, generator=g).expand(4, -1, -1), null_mask)
+    dit.zero_grad()
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        loss, _ = TrainingLoss("imba")(lambda *a: predict(dit, *a), noised, cond, null)
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in dit.parameters()])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_and_grads(apply_speed_settings(tiny_dit()))
+
+
+def test_eager_attention_matches_sdpa(reference):
+    loss, grads = loss_and_grads(apply_speed_settings(tiny_dit(), attention="eager"))
+    torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads, reference[1], rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(reference):
+    dit = apply_speed_settings(tiny_dit(), gradient_checkpointing=True)
+    assert dit.gradient_checkpointing
+    loss, grads = loss_and_grads(dit)
+    torch.testing.assert_close(loss, reference[0])
+    torch.testing.assert_close(grads, reference[1], rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_autocast_stays_close(reference):
+    loss, grads = loss_and_grads(apply_speed_settings(tiny_dit()), autocast_dtype=torch.bfloat16)
+    torch.testing.assert_close(loss, reference[0], rtol=3e-2, atol=1e-3)
+    cosine = torch.nn.functional.cosine_similarity(grads, reference[1], dim=0)
+    assert cosine > 0.99
+
+
+@pytest.mark.slow
+def test_compiled_dit_matches_eager(reference):
+    dit = apply_speed_settings(tiny_dit(), compile=True)
+    loss, grads = loss_and_grads(dit)
+    assert type(dit).__name__ == "PixArtTransformer2DModel"  # compiled in place: checkpoints/export unaffected
+    torch.testing.assert_close(loss, reference[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads, reference[1], rtol=1e-3, atol=1e-5)
+
+
+def test_speed_config_and_errors():
+    cfg = load_config(["speed.gradient_checkpointing=true", "speed.attention=eager", "speed.tf32=false"])
+    assert cfg.speed.gradient_checkpointing and cfg.speed.attention == "eager" and not cfg.speed.tf32
+    with pytest.raises(ValueError, match="sdpa, eager"):
+        apply_speed_settings(tiny_dit(), attention="flash3")
