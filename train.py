@@ -151,7 +151,9 @@ def main(argv: list[str]) -> Path:
     window_start, window_start_step = time.perf_counter(), state.step
 
     def predict_fn(noisy, timesteps, embeds, mask):
-        return predict(transformer, noisy, timesteps, embeds, mask)
+        # No-grad passes (the efficient estimator's weights) bypass the DDP wrapper: its forward broadcasts buffers,
+        # a collective, and ranks may differ in whether they run that pass at all.
+        return predict(transformer if torch.is_grad_enabled() else model, noisy, timesteps, embeds, mask)
 
     while state.step < cfg.train.max_steps:
         batch = next(batches)
@@ -176,8 +178,9 @@ def main(argv: list[str]) -> Path:
         progress.update(1)
         step = state.step
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-            metrics = {k: accelerator.reduce(torch.tensor(v, device=device), "mean").item()
-                       for k, v in window.means().items()}
+            means = window.means()  # same keys, same order on every rank: one gather, NaN-aware mean over ranks
+            values = accelerator.gather(torch.tensor([list(means.values())], device=device)).nanmean(dim=0)
+            metrics = dict(zip(means, values.tolist()))
             elapsed = time.perf_counter() - window_start
             metrics.update(lr=lr_scheduler.get_last_lr()[0], ema_decay=ema.cur_decay_value,
                            images_per_s=images_per_step * (step - window_start_step) / elapsed)

@@ -11,7 +11,11 @@ import torch
 
 
 class MetricWindow:
-    """Accumulates scalar stats between log points; `means()` returns and clears their averages."""
+    """Accumulates scalar stats between log points; `means()` returns and clears their averages.
+
+    Non-finite values are not averaged in, but their key is kept (its mean is NaN if nothing finite came), so
+    every rank reports the same keys in the same order and one collective can reduce them.
+    """
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = defaultdict(float)
@@ -23,13 +27,14 @@ class MetricWindow:
                 if value.numel() != 1:
                     continue  # per-sample tensors are for bucketed monitors, not scalar logs
                 value = value.item()
+            self._sums[name] += 0.0  # registers the key
             if not math.isfinite(value):
                 continue  # e.g. a weight statistic that is undefined for this batch
             self._sums[name] += float(value)
             self._counts[name] += 1
 
     def means(self) -> dict[str, float]:
-        out = {k: self._sums[k] / self._counts[k] for k in self._sums}
+        out = {k: self._sums[k] / self._counts[k] if self._counts[k] else math.nan for k in self._sums}
         self._sums.clear()
         self._counts.clear()
         return out
