@@ -23,10 +23,11 @@ from tqdm.auto import tqdm
 
 from data.shards import expand_urls, make_image_text_loader
 from data.synthetic import write_synthetic_shards
-from imba.checkpoints import TrainState, resolve_resume, save_checkpoint
-from imba.config import Config, ConfigError, load_config, save_config, to_dict
+from imba.checkpoints import TrainState, list_checkpoints, resolve_resume, save_checkpoint
+from imba.config import Config, ConfigError, dump_config, load_config, save_config, to_dict
 from imba.monitor import JsonlLogger, MetricWindow
 from imba.objectives import build_objective
+from imba.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.step import TrainingLoss
 from models.dit import apply_speed_settings, build_transformer, predict
 from models.pipeline import build_pipeline, export_pipeline, image_grid, sample_images
@@ -80,7 +81,7 @@ def save_samples(cfg: Config, pipe_parts: dict, transformer, ema: EMAModel, path
         ema.restore(transformer.parameters())
 
 
-def main(argv: list[str]) -> Path:
+def main(argv: list[str]) -> int:
     # ---- config and accelerator -------------------------------------------------------------------------------
     cfg = load_config(argv)
     out = Path(cfg.train.output_dir)
@@ -128,8 +129,9 @@ def main(argv: list[str]) -> Path:
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
-    elif cfg.train.resume == "latest":
-        accelerator.print(f"--resume latest: no checkpoint in {checkpoint_root} yet, starting from step 0")
+    elif list_checkpoints(checkpoint_root):  # resume=none would overwrite a run's checkpoints
+        raise ConfigError(f"{checkpoint_root} already holds checkpoints: resume (train.resume=latest, the default) "
+                          "or pick another train.output_dir")
 
     # ---- data ------------------------------------------------------------------------------------------------
     loader = make_image_text_loader(
@@ -149,6 +151,9 @@ def main(argv: list[str]) -> Path:
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     images_per_step = cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes
     window_start, window_start_step = time.perf_counter(), state.step
+
+    preemption = PreemptionHandler()  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit for a requeue
+    config_text = dump_config(cfg)  # stored in every checkpoint
 
     def predict_fn(noisy, timesteps, embeds, mask):
         # No-grad passes (the efficient estimator's weights) bypass the DDP wrapper: its forward broadcasts buffers,
@@ -190,8 +195,14 @@ def main(argv: list[str]) -> Path:
                 metrics_log.log(step, metrics)
                 progress.set_postfix(loss=f"{metrics['loss']:.4f}")
         last = step == cfg.train.max_steps
+        if preemption.should_stop(accelerator) and not last:
+            save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
+            accelerator.print(f"pre-empted: checkpoint at step {step} saved; exiting with {REQUEUE_EXIT_CODE} "
+                              "so the job is requeued (it resumes from the latest checkpoint)")
+            accelerator.end_training()
+            return REQUEUE_EXIT_CODE
         if last or (cfg.train.save_every and step % cfg.train.save_every == 0):
-            save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints)
+            save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
             window_start, window_start_step = time.perf_counter(), step  # keep I/O out of images_per_s
         if is_main and (last or (cfg.train.sample_every and step % cfg.train.sample_every == 0)):
             save_samples(cfg, pipe_parts, model, ema, out / "samples" / f"step_{step:07d}.png")
@@ -209,7 +220,7 @@ def main(argv: list[str]) -> Path:
               f"(PixArtAlphaPipeline.from_pretrained('{export_dir}'))")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return export_dir
+    return 0
 
 
 def objective_kwargs(cfg: Config) -> dict:
@@ -230,6 +241,6 @@ def flat_config(cfg: Config) -> dict:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        sys.exit(main(sys.argv[1:]))
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")

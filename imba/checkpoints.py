@@ -1,11 +1,17 @@
 """Checkpoint folders: `<output_dir>/checkpoints/step_0000100/`, each a complete `accelerator.save_state`.
 
-A checkpoint is written under a temporary name and renamed once every rank has finished, so a folder named
-`step_*` is always complete; `latest` resolves to the newest of them. Only the newest `keep` are kept.
+Writing order, so that a crash or pre-emption at any moment leaves only complete checkpoints behind:
+1. every rank writes into `.tmp_step_…` (DeepSpeed writes shards on every rank; accelerate's DDP save writes on the
+   main process), plus the resolved `config.yaml`;
+2. once all ranks are done, the main process renames the folder to `step_…`;
+3. the `latest` pointer file is rewritten (atomically) to name it;
+4. checkpoints beyond the newest `keep` are deleted.
+`resume latest` follows the pointer, or falls back to the newest `step_*` folder if the pointer is missing.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -13,6 +19,7 @@ from pathlib import Path
 from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+LATEST = "latest"
 
 
 class TrainState:
@@ -38,10 +45,17 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def resolve_resume(resume: str | None, root: Path) -> Path | None:
-    """None → None; "latest" → newest checkpoint under root, or None if there is none; a path → that folder."""
-    if not resume:
+    """"none"/None → None; "latest" → the checkpoint the pointer names (else the newest), or None if there is
+    none yet; a path → that folder."""
+    if not resume or resume == "none":
         return None
-    if resume == "latest":
+    root = Path(root)
+    if resume == LATEST:
+        pointer = root / LATEST
+        if pointer.is_file():
+            named = root / pointer.read_text().strip()
+            if _STEP_DIR.match(named.name) and named.is_dir():
+                return named
         found = list_checkpoints(root)
         return found[-1] if found else None
     path = Path(resume)
@@ -50,7 +64,7 @@ def resolve_resume(resume: str | None, root: Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) -> Path:
+def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, config_text: str = "") -> Path:
     """Every rank must call this (DeepSpeed saves shards on every rank)."""
     root = Path(root)
     final = root / f"step_{step:07d}"
@@ -62,8 +76,13 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) 
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if config_text:
+            (tmp / "config.yaml").write_text(config_text)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        pointer_tmp = root / f".{LATEST}.tmp"
+        pointer_tmp.write_text(final.name + "\n")
+        os.replace(pointer_tmp, root / LATEST)
         for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -112,7 +112,7 @@ class TrainConfig:
     save_every: int = 100  # checkpoint interval in steps; 0 = only at the end
     keep_checkpoints: int = 3
     sample_every: int = 100  # sample-grid interval in steps; 0 = only at the end
-    resume: str | None = None  # None | "latest" | path to a checkpoint folder
+    resume: str = "latest"  # latest (newest checkpoint in output_dir, if any) | none (start fresh) | a step_* folder
     trackers: str = "tensorboard"  # accelerate trackers, comma-separated, or "none"; JSONL is always written
 
 
@@ -226,12 +226,32 @@ def load_config(argv: list[str]) -> Config:
         _apply(cfg, _parse_override(item))
     if resume is not None:
         cfg.train.resume = resume
+    _validate(cfg)
     return cfg
+
+
+def _validate(cfg: Config) -> None:
+    """Cross-field and range checks that the types alone do not catch."""
+    positive = {"data.resolution": cfg.data.resolution, "data.batch_size": cfg.data.batch_size,
+                "train.max_steps": cfg.train.max_steps, "train.grad_accum": cfg.train.grad_accum,
+                "train.log_every": cfg.train.log_every, "model.max_text_tokens": cfg.model.max_text_tokens}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"config key {key!r} must be >= 1, got {value}")
+    if cfg.sample.steps < 2:
+        # PixArtAlphaPipeline reads a 1-step call as a distilled (DMD) model and indexes a tuple our schedulers lack
+        raise ConfigError(f"config key 'sample.steps' must be >= 2, got {cfg.sample.steps}")
+    if not 0.0 <= cfg.loss.lam <= 1.0:
+        raise ConfigError(f"config key 'loss.lam' must lie in [0, 1], got {cfg.loss.lam}")
 
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(dump_config(cfg))

@@ -70,3 +70,13 @@ def test_shipped_configs_load(path):
 
 def test_tiny_yaml_spells_out_the_defaults():
     assert load_config(["--config", str(REPO / "configs" / "tiny.yaml")]) == load_config([])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["sample.steps=1"], "'sample.steps' must be >= 2"),
+    (["data.batch_size=0"], "'data.batch_size' must be >= 1"),
+    (["loss.lam=1.5"], "'loss.lam' must lie in [0, 1]"),
+])
+def test_range_checks(args, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(args)
