@@ -29,7 +29,7 @@ from imba.monitor import JsonlLogger, MetricWindow
 from imba.objectives import build_objective
 from imba.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.step import TrainingLoss
-from models.dit import apply_speed_settings, build_transformer, predict
+from models.dit import apply_speed_settings, build_transformer, load_pretrained_transformer, predict
 from models.pipeline import build_pipeline, export_pipeline, image_grid, sample_images
 from models.text_encoder import TextConditioner, load_text_encoder
 from models.vae import encode_images, load_vae, vae_scale_factor
@@ -95,16 +95,27 @@ def main(argv: list[str]) -> int:
 
     # ---- frozen encoders, the DiT, EMA -------------------------------------------------------------------------
     encoder_dtype = DTYPES[cfg.model.encoder_dtype]
-    tokenizer, t5 = load_text_encoder(cfg.model.text_encoder, cfg.model.text_encoder_subfolder,
-                                      cfg.model.tokenizer_subfolder, dtype=encoder_dtype)
+    try:  # weights a user names but that cannot be loaded: one line naming the key to fix
+        tokenizer, t5 = load_text_encoder(cfg.model.text_encoder, cfg.model.text_encoder_subfolder,
+                                          cfg.model.tokenizer_subfolder, dtype=encoder_dtype)
+        vae = load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=encoder_dtype).to(device)
+    except OSError as err:
+        raise ConfigError(str(err)) from err
     text = TextConditioner(tokenizer, t5.to(device), cfg.model.max_text_tokens)
-    vae = load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=encoder_dtype).to(device)
-    latent_size, rest = divmod(cfg.data.resolution, vae_scale_factor(vae))
+    scale = vae_scale_factor(vae)
+    latent_size, rest = divmod(cfg.data.resolution, scale)
     if rest:
         raise ConfigError(f"data.resolution={cfg.data.resolution} must be a multiple of the VAE's "
-                          f"downsampling factor {vae_scale_factor(vae)}")
-    transformer = build_transformer(cfg.model.preset, latent_size, text.hidden_size,
-                                    in_channels=vae.config.latent_channels)
+                          f"downsampling factor {scale}")
+    latent_channels = vae.config.latent_channels
+    if cfg.model.pretrained:
+        try:
+            transformer = load_pretrained_transformer(cfg.model.pretrained, latent_size, text.hidden_size,
+                                                      latent_channels, cfg.model.pretrained_subfolder)
+        except (OSError, ValueError) as err:
+            raise ConfigError(str(err)) from err
+    else:
+        transformer = build_transformer(cfg.model.preset, latent_size, text.hidden_size, latent_channels)
     ema = EMAModel(transformer.parameters(), decay=cfg.optim.ema_decay, model_cls=type(transformer),
                    model_config=transformer.config)
     objective = build_objective(cfg.objective.kind, **objective_kwargs(cfg))
@@ -158,7 +169,7 @@ def main(argv: list[str]) -> int:
     def predict_fn(noisy, timesteps, embeds, mask):
         # No-grad passes (the efficient estimator's weights) bypass the DDP wrapper: its forward broadcasts buffers,
         # a collective, and ranks may differ in whether they run that pass at all.
-        return predict(transformer if torch.is_grad_enabled() else model, noisy, timesteps, embeds, mask)
+        return predict(transformer if torch.is_grad_enabled() else model, noisy, timesteps, embeds, mask, scale)
 
     while state.step < cfg.train.max_steps:
         batch = next(batches)

@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # tiny | small | base | 1b (models/dit.py)
+    preset: str = "tiny"  # tiny | small | base | 1b (models/dit.py); ignored when pretrained is set
+    pretrained: str | None = None  # fine-tune: a diffusers PixArt transformer (hub id or folder, e.g. an export)
+    pretrained_subfolder: str = ""  # "transformer" for pipeline repositories (auto-detected for local folders)
     text_encoder: str = "tiny"  # "tiny", a hub id (google/t5-v1_1-xxl) or a local folder
     text_encoder_subfolder: str = ""  # e.g. "text_encoder" inside a PixArt repository
     tokenizer_subfolder: str = ""  # e.g. "tokenizer" inside a PixArt repository

@@ -9,6 +9,7 @@ Presets are named widths/depths; the sample size and caption width come from the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from diffusers import PixArtTransformer2DModel
@@ -94,18 +95,60 @@ def count_parameters(preset: str, sample_size: int = 32, caption_channels: int =
     return sum(p.numel() for p in model.parameters())
 
 
+def load_pretrained_transformer(spec: str, sample_size: int, caption_channels: int, in_channels: int = 4,
+                                subfolder: str = "") -> PixArtTransformer2DModel:
+    """A diffusers-format PixArt transformer (PixArt-α/Σ, or our own export) to fine-tune at `sample_size`.
+
+    Adapted where standard: the sin-cos position embedding is not learned, so a new resolution only rebuilds it;
+    the pretrained model's interpolation scale and micro-conditioning are kept, so positions and size
+    conditioning mean what they meant in pre-training. Refused with a clear message: a different latent channel
+    count (another VAE) or text width (another text encoder).
+    """
+    path = Path(spec)
+    if not subfolder and path.is_dir() and not (path / "config.json").is_file() \
+            and (path / "transformer" / "config.json").is_file():
+        subfolder = "transformer"  # a pipeline folder, e.g. a PixArt repository or our export
+    try:
+        config = PixArtTransformer2DModel.load_config(spec, subfolder=subfolder or None)
+    except OSError as err:
+        raise OSError(f"cannot load a pretrained transformer from {spec!r} (subfolder {subfolder!r}): set "
+                      "model.pretrained to a local folder or a reachable hub id") from err
+    if config["in_channels"] != in_channels:
+        raise ValueError(f"pretrained transformer {spec!r} takes {config['in_channels']}-channel latents but the "
+                         f"VAE gives {in_channels}: use the VAE it was trained with")
+    if config.get("caption_channels") != caption_channels:
+        raise ValueError(f"pretrained transformer {spec!r} expects {config.get('caption_channels')}-d text "
+                         f"embeddings but the text encoder gives {caption_channels}: use the text encoder it was "
+                         "trained with (PixArt: T5 v1.1 XXL)")
+    pretrained_size = config["sample_size"]
+    return PixArtTransformer2DModel.from_pretrained(
+        spec, subfolder=subfolder or None, sample_size=sample_size,
+        interpolation_scale=config.get("interpolation_scale") or max(pretrained_size // 64, 1),
+        use_additional_conditions=(config["use_additional_conditions"]
+                                   if config.get("use_additional_conditions") is not None
+                                   else pretrained_size == 128),
+    )
+
+
 def predict(transformer: PixArtTransformer2DModel, noisy: torch.Tensor, timesteps: torch.Tensor,
-            text_embeds: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
+            text_embeds: torch.Tensor, text_mask: torch.Tensor, vae_scale_factor: int = 8) -> torch.Tensor:
     """One DiT forward pass → the prediction with the latent's channel count.
 
-    PixArt checkpoints with learned variance output 2·C channels; the first C are the mean prediction.
+    PixArt checkpoints with learned variance output 2·C channels; the first C are the mean prediction. Models with
+    resolution/aspect micro-conditioning (PixArt-α 1024) get the image size in pixels, as the pipeline gives it.
     """
+    added = {"resolution": None, "aspect_ratio": None}
+    if transformer.use_additional_conditions:
+        b, _, h, w = noisy.shape
+        h, w = h * vae_scale_factor, w * vae_scale_factor
+        added = {"resolution": noisy.new_tensor([[h, w]]).expand(b, 2),
+                 "aspect_ratio": noisy.new_tensor([[h / w]]).expand(b, 1)}
     out = transformer(
         noisy,
         encoder_hidden_states=text_embeds,
         encoder_attention_mask=text_mask,
         timestep=timesteps,
-        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+        added_cond_kwargs=added,
         return_dict=False,
     )[0]
     return out[:, : noisy.shape[1]]

@@ -1,5 +1,6 @@
 """Typed config: YAML + dotted overrides, and one-line errors for the mistakes users make."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,16 @@ def test_tiny_yaml_spells_out_the_defaults():
 def test_range_checks(args, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(args)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.text_encoder=no/such-folder", "cannot load the text encoder from 'no/such-folder'"),
+    ("model.vae=no/such-folder", "cannot load the VAE from 'no/such-folder'"),
+    ("model.pretrained=no/such-folder", "cannot load a pretrained transformer from 'no/such-folder'"),
+])
+def test_unloadable_weights_give_one_line(tmp_path, override, message):
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), override, f"train.output_dir={tmp_path}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0
+    assert message in proc.stderr.strip().splitlines()[-1]

@@ -104,3 +104,34 @@ def test_encoders_load_from_a_local_folder(tmp_path):
     vae = load_vae(str(tmp_path / "vae"), dtype=torch.bfloat16)
     assert vae.dtype == torch.bfloat16 and not any(p.requires_grad for p in vae.parameters())
     assert encode_images(vae, torch.zeros(1, 3, 32, 32)).shape == (1, 4, 4, 4)
+
+
+def test_fine_tune_from_a_pretrained_transformer_at_another_resolution(tmp_path):
+    """A PixArt-α-1024-like model (learned variance, micro-conditioning at sample_size 128) saved in a pipeline
+    layout loads for training at a smaller latent size with its weights intact."""
+    from diffusers import PixArtTransformer2DModel
+
+    from models.dit import load_pretrained_transformer
+
+    torch.manual_seed(0)
+    # hidden 24: the micro-conditioning embedders split the width in thirds
+    source = PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=8,
+                                      num_layers=2, cross_attention_dim=24, caption_channels=12, sample_size=128)
+    assert source.use_additional_conditions  # diffusers switches it on for sample_size 128
+    source.save_pretrained(tmp_path / "repo" / "transformer")
+
+    model = load_pretrained_transformer(str(tmp_path / "repo"), sample_size=8, caption_channels=12)
+    assert model.config.sample_size == 8 and model.use_additional_conditions
+    assert model.config.interpolation_scale == 2  # kept from the 1024 model
+    for (name, a), b in zip(source.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    out = predict(model, torch.randn(2, 4, 8, 8), torch.tensor([1.0, 2.0]), torch.randn(2, 3, 12),
+                  torch.ones(2, 3))
+    assert out.shape == (2, 4, 8, 8)
+
+    with pytest.raises(ValueError, match="expects 12-d text embeddings but the text encoder gives 64"):
+        load_pretrained_transformer(str(tmp_path / "repo"), sample_size=8, caption_channels=64)
+    with pytest.raises(ValueError, match="takes 4-channel latents but the VAE gives 16"):
+        load_pretrained_transformer(str(tmp_path / "repo"), sample_size=8, caption_channels=12, in_channels=16)
+    with pytest.raises(OSError, match="model.pretrained"):
+        load_pretrained_transformer(str(tmp_path / "missing"), sample_size=8, caption_channels=12)

@@ -70,3 +70,16 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
     image = pipe("a red circle", height=64, width=64, num_inference_steps=2, use_resolution_binning=False,
                  generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (64, 64)
+
+
+@pytest.mark.slow
+def test_fine_tune_from_an_export_at_another_resolution(tmp_path):
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    run_train([*TINY_RUN, f"train.output_dir={base}", "train.max_steps=2"], tmp_path)
+    done = run_train([*TINY_RUN, f"train.output_dir={tuned}", "train.max_steps=2", "data.resolution=128",
+                      f"model.pretrained={base / 'export'}"], tmp_path)
+    assert "done: step 2" in done.stdout
+    from diffusers import PixArtTransformer2DModel
+
+    tuned_model = PixArtTransformer2DModel.from_pretrained(tuned / "export" / "transformer")
+    assert tuned_model.config.sample_size == 16  # 128 px / 8
