@@ -1,5 +1,14 @@
 """bytes -> tensors: shard reading, image transforms, synthetic data. Never imports imba, models or train."""
 
+from .indexed import (
+    IndexedBatchSampler,
+    IndexedLoader,
+    IndexedShards,
+    ShardIndex,
+    batches_per_epoch,
+    load_or_build_index,
+    make_indexed_loader,
+)
 from .shards import (
     IMAGE_EXTENSIONS,
     expand_urls,
@@ -12,6 +21,13 @@ from .shards import (
 from .synthetic import COLOURS, SAMPLE_PROMPTS, SHAPES, make_sample, write_synthetic_shards
 
 __all__ = [
+    "IndexedBatchSampler",
+    "IndexedLoader",
+    "IndexedShards",
+    "ShardIndex",
+    "batches_per_epoch",
+    "load_or_build_index",
+    "make_indexed_loader",
     "IMAGE_EXTENSIONS",
     "expand_urls",
     "image_to_tensor",
