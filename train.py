@@ -10,13 +10,14 @@ log, checkpoint, sample grid) → export of a diffusers pipeline folder.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
@@ -49,7 +50,17 @@ def make_accelerator(cfg: Config, out: Path) -> Accelerator:
         mixed_precision=cfg.train.mixed_precision,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+        # CPU multi-process runs (tests, debugging) need gloo; DeepSpeed would otherwise ask for oneCCL
+        kwargs_handlers=[] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")],
     )
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[str]:
@@ -87,6 +98,8 @@ def main(argv: list[str]) -> int:
     out = Path(cfg.train.output_dir)
     accelerator = make_accelerator(cfg, out)
     device, is_main = accelerator.device, accelerator.is_main_process
+    accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
+                      f"device {device}, output {out}")
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     if is_main:
@@ -131,6 +144,8 @@ def main(argv: list[str]) -> int:
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer,
                                  num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes)
     apply_speed_settings(transformer, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
+    if accelerator.state.deepspeed_plugin is not None:  # we batch ourselves, so DeepSpeed cannot infer it
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
     ema.to(device)
     state = TrainState()
@@ -219,6 +234,8 @@ def main(argv: list[str]) -> int:
             save_samples(cfg, pipe_parts, model, ema, out / "samples" / f"step_{step:07d}.png")
             window_start, window_start_step = time.perf_counter(), step
     progress.close()
+
+    print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(model)}")
 
     # ---- export: EMA weights + frozen parts as a stock diffusers pipeline folder -----------------------------
     export_dir = out / "export"

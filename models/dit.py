@@ -138,7 +138,8 @@ def predict(transformer: PixArtTransformer2DModel, noisy: torch.Tensor, timestep
     resolution/aspect micro-conditioning (PixArt-α 1024) get the image size in pixels, as the pipeline gives it.
     """
     added = {"resolution": None, "aspect_ratio": None}
-    if transformer.use_additional_conditions:
+    # read settings from the bare model: `transformer` may be a DDP/DeepSpeed wrapper, whose forward we must call
+    if getattr(transformer, "module", transformer).use_additional_conditions:
         b, _, h, w = noisy.shape
         h, w = h * vae_scale_factor, w * vae_scale_factor
         added = {"resolution": noisy.new_tensor([[h, w]]).expand(b, 2),
