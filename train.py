@@ -11,6 +11,7 @@ log, checkpoint, sample grid) → export of a diffusers pipeline folder.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
-from data.shards import expand_urls, make_image_text_loader
+from data.indexed import load_or_build_index, make_indexed_loader
+from data.shards import expand_urls, is_remote, make_image_text_loader
 from data.synthetic import write_synthetic_shards
 from imba.checkpoints import TrainState, list_checkpoints, resolve_resume, save_checkpoint
 from imba.config import Config, ConfigError, dump_config, load_config, save_config, to_dict
@@ -45,13 +47,15 @@ def make_accelerator(cfg: Config, out: Path) -> Accelerator:
             import tensorboard  # noqa: F401  (accelerate's tracker needs it; skip quietly when absent)
         except ImportError:
             trackers.remove("tensorboard")
+    # CPU multi-process runs (tests, debugging) need gloo, else DeepSpeed asks for oneCCL; naming a backend in a
+    # single process would make accelerate expect a process group, so only when launched distributed
+    distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     return Accelerator(
         gradient_accumulation_steps=cfg.train.grad_accum,
         mixed_precision=cfg.train.mixed_precision,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
-        # CPU multi-process runs (tests, debugging) need gloo; DeepSpeed would otherwise ask for oneCCL
-        kwargs_handlers=[] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")],
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else [],
     )
 
 
@@ -74,6 +78,22 @@ def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[st
     accelerator.wait_for_everyone()
     return write_synthetic_shards(folder, num_samples=cfg.data.synthetic_samples, resolution=cfg.data.resolution,
                                   seed=cfg.train.seed)  # already complete: returns the paths without writing
+
+
+def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], step: int):
+    """Indexed (exact resume: starts at the batch an uninterrupted run would draw next) or streaming reader."""
+    mode = cfg.data.mode
+    if mode == "auto":
+        mode = "streaming" if any(is_remote(url) for url in shards) else "indexed"
+    common = dict(resolution=cfg.data.resolution, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
+                  seed=cfg.train.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+                  caption_field=cfg.data.caption_field)
+    if mode == "indexed":
+        if accelerator.is_main_process:
+            load_or_build_index(shards)  # scan the tars once, before every rank opens the cached index
+        accelerator.wait_for_everyone()
+        return make_indexed_loader(shards, start_batch=step * cfg.train.grad_accum, **common)
+    return make_image_text_loader(shards, resume_step=step, shuffle_buffer=cfg.data.shuffle_buffer, **common)
 
 
 def save_samples(cfg: Config, pipe_parts: dict, transformer, ema: EMAModel, path: Path) -> None:
@@ -160,12 +180,7 @@ def main(argv: list[str]) -> int:
                           "or pick another train.output_dir")
 
     # ---- data ------------------------------------------------------------------------------------------------
-    loader = make_image_text_loader(
-        training_shards(cfg, accelerator, out), resolution=cfg.data.resolution, batch_size=cfg.data.batch_size,
-        num_workers=cfg.data.num_workers, seed=cfg.train.seed, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, resume_step=state.step, shuffle_buffer=cfg.data.shuffle_buffer,
-        caption_field=cfg.data.caption_field,
-    )
+    loader = make_loader(cfg, accelerator, training_shards(cfg, accelerator, out), state.step)
     batches = iter(loader)
 
     # ---- loop ------------------------------------------------------------------------------------------------

@@ -652,6 +652,9 @@ class IndexedLoader:
             collate_fn=_identity,
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
+            # A private generator: otherwise each iter() draws a worker base seed from torch's global RNG, so
+            # creating the iterator after a checkpoint's RNG restore would shift every later random draw.
+            generator=torch.Generator().manual_seed(sampler.seed),
         )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

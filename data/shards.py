@@ -59,7 +59,8 @@ MAX_FAILURES_BEFORE_FIRST_SAMPLE = 1000
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _is_remote(spec: str) -> bool:
+def is_remote(spec: str) -> bool:
+    """True for specs webdataset streams (pipe:, http(s)://, s3://, gs://) rather than local files."""
     return spec.startswith(REMOTE_PREFIXES)
 
 
@@ -77,7 +78,7 @@ def expand_urls(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     urls: list[str] = []
     for item in specs:
         item = os.fspath(item)
-        if _is_remote(item):
+        if is_remote(item):
             urls.extend(braceexpand.braceexpand(item))
             continue
         found: list[str] = []
@@ -376,4 +377,5 @@ def make_image_text_loader(
         batch_size=None,  # the pipeline batches
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),  # leave torch's global RNG alone (see data/indexed.py)
     )

@@ -39,6 +39,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     shards: str | None = None  # brace/glob pattern, folder or URL of img2dataset tar shards; None = synthetic
+    # auto: indexed for local shards, streaming for remote URLs. indexed: exact resume, equal batches per rank.
+    # streaming: webdataset with resampled shards (pipe:/http/s3, or sets too large to index)
+    mode: str = "auto"
     resolution: int = 128  # images are resized and centre-cropped to this square size
     batch_size: int = 8  # per process, per micro-step
     num_workers: int = 0
@@ -132,6 +135,7 @@ class Config:
 
 CHOICES = {
     "model.encoder_dtype": ("float32", "bfloat16", "float16"),
+    "data.mode": ("auto", "indexed", "streaming"),
     "loss.kind": ("imba", "imba_sample", "plain"),
     "loss.distance": ("mse", "l1", "l2"),
     "loss.reference": ("target", "cond"),

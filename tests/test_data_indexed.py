@@ -355,3 +355,15 @@ def test_index_cache_falls_back_when_the_shard_folder_is_not_writable(synth, tmp
     assert in_memory.path is None and len(in_memory.rescanned) == 4
     ds = IndexedShards(in_memory, RES)
     assert [ds[i]["key"] for i in (0, 36)] == ["000000000", "000000036"]
+
+
+def test_creating_and_iterating_a_loader_leaves_the_global_rng_alone(tmp_path):
+    """Training resumes by restoring torch's RNG and then building the loader: the loader must not draw from it."""
+    from data.indexed import make_indexed_loader
+    from data.synthetic import write_synthetic_shards
+
+    shards = write_synthetic_shards(tmp_path / "s", num_samples=8, samples_per_shard=8, resolution=32)
+    before = torch.get_rng_state()
+    loader = make_indexed_loader(shards, resolution=32, batch_size=2, index_dir=tmp_path / "idx")
+    next(iter(loader))
+    assert torch.equal(before, torch.get_rng_state())
