@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from data.indexed import load_or_build_index, make_indexed_loader
 from data.shards import expand_urls, is_remote, make_image_text_loader
 from data.synthetic import write_synthetic_shards
-from imba.checkpoints import TrainState, list_checkpoints, resolve_resume, save_checkpoint
+from imba.checkpoints import EMA_STATE_FILE, TrainState, list_checkpoints, resolve_resume, save_checkpoint
 from imba.config import Config, ConfigError, dump_config, load_config, save_config, to_dict
 from imba.monitor import JsonlLogger, MetricWindow
 from imba.objectives import build_objective
@@ -112,6 +112,52 @@ def save_samples(cfg: Config, pipe_parts: dict, transformer, ema: EMAModel, path
         ema.restore(transformer.parameters())
 
 
+def build_models(cfg: Config, device):
+    """Frozen tokenizer + T5 and VAE, and the DiT (a random preset, or pretrained weights) sized to match them."""
+    encoder_dtype = DTYPES[cfg.model.encoder_dtype]
+    try:  # weights a user names but that cannot be loaded: one line naming the key to fix
+        tokenizer, t5 = load_text_encoder(cfg.model.text_encoder, cfg.model.text_encoder_subfolder,
+                                          cfg.model.tokenizer_subfolder, dtype=encoder_dtype)
+        vae = load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=encoder_dtype)
+    except OSError as err:
+        raise ConfigError(str(err)) from err
+    scale = vae_scale_factor(vae)
+    latent_size, rest = divmod(cfg.data.resolution, scale)
+    if rest:
+        raise ConfigError(f"data.resolution={cfg.data.resolution} must be a multiple of the VAE's "
+                          f"downsampling factor {scale}")
+    latent_channels, caption_channels = vae.config.latent_channels, t5.config.d_model
+    if cfg.model.pretrained:
+        try:
+            transformer = load_pretrained_transformer(cfg.model.pretrained, latent_size, caption_channels,
+                                                      latent_channels, cfg.model.pretrained_subfolder)
+        except (OSError, ValueError) as err:
+            raise ConfigError(str(err)) from err
+    else:
+        transformer = build_transformer(cfg.model.preset, latent_size, caption_channels, latent_channels)
+    return tokenizer, t5.to(device), vae.to(device), transformer
+
+
+def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
+    """The EMA weights of a checkpoint (single process, DDP, ZeRO-1/2) → a diffusers pipeline folder."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.yaml").is_file() or not (checkpoint / EMA_STATE_FILE).is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a training checkpoint (no config.yaml or EMA state)")
+    cfg = load_config(["--config", str(checkpoint / "config.yaml")])
+    tokenizer, t5, vae, transformer = build_models(cfg, "cpu")
+    ema = EMAModel(transformer.parameters(), model_cls=type(transformer), model_config=transformer.config)
+    ema.load_state_dict(torch.load(checkpoint / EMA_STATE_FILE, weights_only=False, map_location="cpu"))
+    if any(s.shape != p.shape for s, p in zip(ema.shadow_params, transformer.parameters())):
+        raise ConfigError(f"the EMA in {checkpoint} is partitioned (ZeRO-3): export is supported for "
+                          "single-process, DDP and ZeRO-1/2 checkpoints")
+    ema.copy_to(transformer.parameters())
+    export_dir = Path(export_dir or checkpoint.parent.parent / f"export_{checkpoint.name}")
+    scheduler = build_objective(cfg.objective.kind, **objective_kwargs(cfg)).sampling_scheduler()
+    export_pipeline(build_pipeline(transformer, vae, t5, tokenizer, scheduler), export_dir)
+    print(f"exported the EMA weights of {checkpoint} to {export_dir}")
+    return export_dir
+
+
 def main(argv: list[str]) -> int:
     # ---- config and accelerator -------------------------------------------------------------------------------
     cfg = load_config(argv)
@@ -127,28 +173,9 @@ def main(argv: list[str]) -> int:
         save_config(cfg, out / "config.yaml")
 
     # ---- frozen encoders, the DiT, EMA -------------------------------------------------------------------------
-    encoder_dtype = DTYPES[cfg.model.encoder_dtype]
-    try:  # weights a user names but that cannot be loaded: one line naming the key to fix
-        tokenizer, t5 = load_text_encoder(cfg.model.text_encoder, cfg.model.text_encoder_subfolder,
-                                          cfg.model.tokenizer_subfolder, dtype=encoder_dtype)
-        vae = load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=encoder_dtype).to(device)
-    except OSError as err:
-        raise ConfigError(str(err)) from err
-    text = TextConditioner(tokenizer, t5.to(device), cfg.model.max_text_tokens)
+    tokenizer, t5, vae, transformer = build_models(cfg, device)
+    text = TextConditioner(tokenizer, t5, cfg.model.max_text_tokens)
     scale = vae_scale_factor(vae)
-    latent_size, rest = divmod(cfg.data.resolution, scale)
-    if rest:
-        raise ConfigError(f"data.resolution={cfg.data.resolution} must be a multiple of the VAE's "
-                          f"downsampling factor {scale}")
-    latent_channels = vae.config.latent_channels
-    if cfg.model.pretrained:
-        try:
-            transformer = load_pretrained_transformer(cfg.model.pretrained, latent_size, text.hidden_size,
-                                                      latent_channels, cfg.model.pretrained_subfolder)
-        except (OSError, ValueError) as err:
-            raise ConfigError(str(err)) from err
-    else:
-        transformer = build_transformer(cfg.model.preset, latent_size, text.hidden_size, latent_channels)
     ema = EMAModel(transformer.parameters(), decay=cfg.optim.ema_decay, model_cls=type(transformer),
                    model_config=transformer.config)
     objective = build_objective(cfg.objective.kind, **objective_kwargs(cfg))
@@ -164,8 +191,12 @@ def main(argv: list[str]) -> int:
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer,
                                  num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes)
     apply_speed_settings(transformer, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
-    if accelerator.state.deepspeed_plugin is not None:  # we batch ourselves, so DeepSpeed cannot infer it
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None:
+        if deepspeed.zero_stage == 3:
+            raise ConfigError("DeepSpeed ZeRO-3 is not supported yet: EMA, sample grids and export need the full "
+                              "parameters on each rank; launch with launch/accelerate/zero2.yaml")
+        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size  # we batch ourselves
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
     ema.to(device)
     state = TrainState()
@@ -284,6 +315,11 @@ def flat_config(cfg: Config) -> dict:
 
 if __name__ == "__main__":
     try:
+        if sys.argv[1:2] == ["--export"]:  # python train.py --export CHECKPOINT [EXPORT_DIR]
+            if len(sys.argv) not in (3, 4):
+                raise ConfigError("usage: python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]")
+            export_checkpoint(Path(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else None)
+            sys.exit(0)
         sys.exit(main(sys.argv[1:]))
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")

@@ -20,6 +20,8 @@ from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
+# accelerate names registered objects by registration order; train.py registers the EMA first
+EMA_STATE_FILE = "custom_checkpoint_0.pkl"
 
 
 class TrainState:

@@ -3,7 +3,8 @@
 SLURM sends SIGUSR1 (`#SBATCH --signal=B:USR1@180`, forwarded by our batch scripts) or SIGTERM before it kills a
 job. The handler only sets a flag; the loop checks it after each optimizer step, and all ranks agree through one
 tiny collective (a rank whose signal arrived late would otherwise keep training while the others save).
-The process then exits with `REQUEUE_EXIT_CODE`, which `launch/slurm/*.sbatch` turn into `scontrol requeue`.
+The process then exits with `REQUEUE_EXIT_CODE`. `accelerate launch` reports a failed worker as 1, so
+`launch/slurm/node_launch.sh` restores the 75 after a forwarded signal, and the sbatch scripts requeue the job.
 """
 
 from __future__ import annotations

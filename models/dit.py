@@ -139,7 +139,10 @@ def predict(transformer: PixArtTransformer2DModel, noisy: torch.Tensor, timestep
     """
     added = {"resolution": None, "aspect_ratio": None}
     # read settings from the bare model: `transformer` may be a DDP/DeepSpeed wrapper, whose forward we must call
-    if getattr(transformer, "module", transformer).use_additional_conditions:
+    bare = getattr(transformer, "module", transformer)
+    if bare.dtype != torch.float32:  # DeepSpeed bf16/fp16 holds the weights in half precision: match its inputs
+        noisy, text_embeds = noisy.to(bare.dtype), text_embeds.to(bare.dtype)
+    if bare.use_additional_conditions:
         b, _, h, w = noisy.shape
         h, w = h * vae_scale_factor, w * vae_scale_factor
         added = {"resolution": noisy.new_tensor([[h, w]]).expand(b, 2),

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from imba.checkpoints import list_checkpoints
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = [
     "data.resolution=64", "data.batch_size=2", "data.synthetic_samples=24", "data.shuffle_buffer=8",
@@ -42,14 +44,21 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
     common = [*TINY_RUN, f"train.output_dir={out}", f"loss.kind={loss_kind}", f"objective.kind={objective}", *extra]
     first = run_train([*common, "train.max_steps=4"], tmp_path)
     assert "done: step 4" in first.stdout
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_0000002", "step_0000004"]
     assert ema_optimization_step(out / "checkpoints" / "step_0000004") == 4
+    # exporting that checkpoint later gives the same EMA transformer as the end-of-run export
+    run_train(["--export", str(out / "checkpoints" / "step_0000004"), str(tmp_path / "from_ckpt")], tmp_path)
+    from safetensors.torch import load_file
+
+    at_end = load_file(out / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    later = load_file(tmp_path / "from_ckpt" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
 
     second = run_train([*common, "train.max_steps=6", "--resume", "latest"], tmp_path)
     assert f"resumed from {out / 'checkpoints' / 'step_0000004'} at step 4" in second.stdout
     assert "done: step 6" in second.stdout
     # keep_checkpoints=3: the oldest is pruned; the EMA continued from its saved state rather than restarting
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [
         "step_0000002", "step_0000004", "step_0000006"]
     assert ema_optimization_step(out / "checkpoints" / "step_0000006") == 6
 
