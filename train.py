@@ -166,6 +166,10 @@ def main(argv: list[str]) -> int:
     device, is_main = accelerator.device, accelerator.is_main_process
     accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"device {device}, output {out}")
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None and deepspeed.zero_stage == 3:
+        raise ConfigError("DeepSpeed ZeRO-3 is not supported yet: EMA, sample grids and export need the full "
+                          "parameters on each rank; launch with launch/accelerate/zero2.yaml")
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     if is_main:
@@ -191,11 +195,7 @@ def main(argv: list[str]) -> int:
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer,
                                  num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes)
     apply_speed_settings(transformer, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
-    deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None:
-        if deepspeed.zero_stage == 3:
-            raise ConfigError("DeepSpeed ZeRO-3 is not supported yet: EMA, sample grids and export need the full "
-                              "parameters on each rank; launch with launch/accelerate/zero2.yaml")
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size  # we batch ourselves
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
     ema.to(device)
