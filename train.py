@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from data.indexed import load_or_build_index, make_indexed_loader
 from data.shards import expand_urls, is_remote, make_image_text_loader
 from data.synthetic import write_synthetic_shards
-from imba.checkpoints import EMA_STATE_FILE, TrainState, list_checkpoints, resolve_resume, save_checkpoint
+from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, resolve_resume, save_checkpoint,
+                              saved_world_size)
 from imba.config import Config, ConfigError, dump_config, load_config, save_config, to_dict
 from imba.monitor import JsonlLogger, MetricWindow
 from imba.objectives import build_objective
@@ -80,7 +81,7 @@ def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[st
                                   seed=cfg.train.seed)  # already complete: returns the paths without writing
 
 
-def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], step: int):
+def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batches_done: int):
     """Indexed (exact resume: starts at the batch an uninterrupted run would draw next) or streaming reader."""
     mode = cfg.data.mode
     if mode == "auto":
@@ -92,8 +93,18 @@ def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], step: 
         if accelerator.is_main_process:
             load_or_build_index(shards)  # scan the tars once, before every rank opens the cached index
         accelerator.wait_for_everyone()
-        return make_indexed_loader(shards, start_batch=step * cfg.train.grad_accum, **common)
-    return make_image_text_loader(shards, resume_step=step, shuffle_buffer=cfg.data.shuffle_buffer, **common)
+        return make_indexed_loader(shards, start_batch=batches_done, **common)
+    return make_image_text_loader(shards, resume_step=batches_done, shuffle_buffer=cfg.data.shuffle_buffer, **common)
+
+
+def check_world_size_change(saved: int, accelerator: Accelerator) -> None:
+    """DDP keeps full model/optimizer/EMA states on every rank, so they load on any process count; DeepSpeed
+    partitions optimizer states per rank, so a different count is refused."""
+    if accelerator.state.deepspeed_plugin is not None:
+        raise ConfigError(f"this checkpoint was written by {saved} processes and DeepSpeed partitions its optimizer "
+                          f"states per rank: resume with {saved} processes (a different count works with DDP)")
+    accelerator.print(f"resuming a {saved}-process checkpoint on {accelerator.num_processes} processes: weights, "
+                      "optimizer and EMA carry over; data continues after the same number of samples")
 
 
 def save_samples(cfg: Config, pipe_parts: dict, transformer, ema: EMAModel, path: Path) -> None:
@@ -199,19 +210,27 @@ def main(argv: list[str]) -> int:
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size  # we batch ourselves
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
     ema.to(device)
-    state = TrainState()
+    state = TrainState(world_size=accelerator.num_processes)
     accelerator.register_for_checkpointing(ema, state)
     checkpoint_root = out / "checkpoints"
     resume_from = resolve_resume(cfg.train.resume, checkpoint_root)
+    saved_world = accelerator.num_processes
     if resume_from is not None:
+        saved_world = saved_world_size(resume_from) or saved_world
+        if saved_world != accelerator.num_processes:
+            check_world_size_change(saved_world, accelerator)  # before loading: DeepSpeed would fail obscurely
         accelerator.load_state(str(resume_from))
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
     elif list_checkpoints(checkpoint_root):  # resume=none would overwrite a run's checkpoints
         raise ConfigError(f"{checkpoint_root} already holds checkpoints: resume (train.resume=latest, the default) "
                           "or pick another train.output_dir")
+    # batches each rank has consumed, rescaled when the checkpoint came from another process count: the data
+    # then continues after the same number of samples (in a different order than the original run)
+    batches_done = state.step * cfg.train.grad_accum * saved_world // accelerator.num_processes
+    state.world_size = accelerator.num_processes
 
     # ---- data ------------------------------------------------------------------------------------------------
-    loader = make_loader(cfg, accelerator, training_shards(cfg, accelerator, out), state.step)
+    loader = make_loader(cfg, accelerator, training_shards(cfg, accelerator, out), batches_done)
     batches = iter(loader)
 
     # ---- loop ------------------------------------------------------------------------------------------------

@@ -16,25 +16,38 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
-# accelerate names registered objects by registration order; train.py registers the EMA first
+# accelerate names registered objects by registration order; train.py registers the EMA, then the TrainState
 EMA_STATE_FILE = "custom_checkpoint_0.pkl"
+TRAIN_STATE_FILE = "custom_checkpoint_1.pkl"
 
 
 class TrainState:
-    """The loop's own counters, saved and restored with the checkpoint (accelerate `register_for_checkpointing`)."""
+    """The loop's own counters, saved and restored with the checkpoint (accelerate `register_for_checkpointing`).
 
-    def __init__(self) -> None:
+    `world_size` is the number of processes that wrote the checkpoint (None before the first save or load).
+    """
+
+    def __init__(self, world_size: int | None = None) -> None:
         self.step = 0
+        self.world_size = world_size
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.world_size = state.get("world_size")
+
+
+def saved_world_size(checkpoint: Path) -> int | None:
+    """How many processes wrote the checkpoint, read before loading it (None if it does not say)."""
+    state = torch.load(Path(checkpoint) / TRAIN_STATE_FILE, weights_only=False, map_location="cpu")
+    return state.get("world_size")
 
 
 def list_checkpoints(root: Path) -> list[Path]:

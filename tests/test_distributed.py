@@ -8,6 +8,7 @@ resuming reproduces the uninterrupted run exactly: same per-step losses, same fi
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +29,31 @@ LAUNCHERS = {
 }
 
 
+def launch_env(extra: dict) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra,
+            # DeepSpeed JIT-compiles a shared-memory comm op once; keep it between runs
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                   str(Path.home() / ".cache" / "imba-torch-ext"))}
+
+
+def free_port() -> int:
+    """A port nobody listens on now, so concurrent test runs do not collide on accelerate's default 29500."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_command(kind, num_processes=2):
+    flags, _ = LAUNCHERS[kind]
+    return [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", str(num_processes),
+            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+            "--dynamo_backend", "no"]
+
+
 def launch(kind, args, tmp_path):
-    flags, extra_env = LAUNCHERS[kind]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra_env,
-           # DeepSpeed JIT-compiles a shared-memory comm op once; keep it between runs
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "imba-torch-ext"))}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py"), *RUN, *args]
+    _, extra_env = LAUNCHERS[kind]
+    env = launch_env(extra_env)
+    cmd = [*launch_command(kind), str(REPO / "train.py"), *RUN, *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     return proc.stdout + proc.stderr
@@ -67,3 +86,32 @@ def test_two_processes_train_identically_and_resume_exactly(tmp_path, kind):
     assert losses(split) == losses(full)  # steps 1-6: the same batches, noise and losses
     checkpoint = split / "checkpoints" / "step_0000006"
     assert (checkpoint / "random_states_0.pkl").is_file() and (checkpoint / "random_states_1.pkl").is_file()
+
+
+def train_single_process(args, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *RUN, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_resumes_on_another_process_count(tmp_path):
+    out = tmp_path / "run"
+    launch("ddp", [f"train.output_dir={out}", "train.max_steps=2"], tmp_path)
+    proc = train_single_process([f"train.output_dir={out}", "train.max_steps=4"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world size 1" in proc.stdout and "resumed from" in proc.stdout
+    assert "resuming a 2-process checkpoint on 1 processes" in proc.stdout
+    assert "done: step 4" in proc.stdout
+
+
+@pytest.mark.slow
+def test_zero2_checkpoint_on_another_process_count_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    launch("zero2", [f"train.output_dir={out}", "train.max_steps=2"], tmp_path)
+    proc = subprocess.run([*launch_command("zero2", num_processes=1), str(REPO / "train.py"), *RUN,
+                           f"train.output_dir={out}", "train.max_steps=4"],
+                          cwd=tmp_path, env=launch_env({}), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert ("error: this checkpoint was written by 2 processes and DeepSpeed partitions its optimizer states per "
+            "rank: resume with 2 processes") in proc.stderr
