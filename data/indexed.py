@@ -59,6 +59,7 @@ import torch
 from .shards import (
     REMOTE_PREFIXES,
     ReaderStats,
+    check_loader_args,
     _collate,
     _DecodeSamples,
     _log_rate_limited,
@@ -684,10 +685,7 @@ def make_indexed_loader(
     the one an uninterrupted run would draw next. Every rank gets `loader.batches_per_epoch` batches per epoch.
     `shard_window` > 0 reads shards in windows of that many for locality (0: uniform order over all samples).
     """
-    if resolution < 1 or batch_size < 1 or num_workers < 0:
-        raise ValueError(
-            f"need resolution >= 1, batch_size >= 1, num_workers >= 0 (got {resolution}, {batch_size}, {num_workers})"
-        )
+    check_loader_args(resolution, batch_size, num_workers)
     dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir)
     sampler = IndexedBatchSampler(
         len(dataset),

@@ -339,6 +339,13 @@ def make_image_text_pipeline(
     return pipeline
 
 
+def check_loader_args(resolution: int, batch_size: int, num_workers: int) -> None:
+    if resolution < 1 or batch_size < 1 or num_workers < 0:
+        raise ValueError(
+            f"need resolution >= 1, batch_size >= 1, num_workers >= 0 (got {resolution}, {batch_size}, {num_workers})"
+        )
+
+
 def make_image_text_loader(
     urls: str | Sequence[str],
     resolution: int,
@@ -356,10 +363,7 @@ def make_image_text_loader(
     `urls` is anything `expand_urls` accepts. Shards are resampled with replacement, so every rank reads all
     shards and `world_size` is only checked; ranks, workers and resume steps differ through the seed.
     """
-    if resolution < 1 or batch_size < 1 or num_workers < 0:
-        raise ValueError(
-            f"need resolution >= 1, batch_size >= 1, num_workers >= 0 (got {resolution}, {batch_size}, {num_workers})"
-        )
+    check_loader_args(resolution, batch_size, num_workers)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     pipeline = make_image_text_pipeline(

@@ -14,9 +14,9 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-import webdataset as wds
 from PIL import Image
 
+from shard_helpers import encode, write_tar
 from data.shards import (
     expand_urls,
     image_to_tensor,
@@ -47,19 +47,6 @@ def read_samples(paths) -> dict[str, dict]:
             key, ext = name.split(".", 1)
             out[key][ext] = json.loads(data) if ext == "json" else data.decode() if ext == "txt" else data
     return dict(out)
-
-
-def encode(img: Image.Image, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def write_tar(path, samples: list[dict]) -> str:
-    with wds.TarWriter(str(path), encoder=False) as w:
-        for s in samples:
-            w.write(s)
-    return str(path)
 
 
 def parse_caption(caption: str) -> list[tuple[str, str]]:

@@ -14,10 +14,10 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-import webdataset as wds
 from PIL import Image
 
 import data.indexed as indexed
+from shard_helpers import encode, write_tar
 from data.indexed import (
     IndexedBatchSampler,
     IndexedShards,
@@ -44,16 +44,7 @@ def tar_keys(path) -> list[str]:
 
 
 def png(rgb, size=(20, 12)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, rgb).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def write_tar(path, samples: list[dict]) -> str:
-    with wds.TarWriter(str(path), encoder=False) as w:
-        for s in samples:
-            w.write(s)
-    return str(path)
+    return encode(Image.new("RGB", size, rgb), "PNG")
 
 
 def keys_of(loader, n: int) -> list[list[str]]:
