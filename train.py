@@ -24,7 +24,7 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 from data.indexed import load_or_build_index, make_indexed_loader
-from data.shards import expand_urls, is_remote, make_image_text_loader
+from data.shards import expand_urls, is_remote, make_image_text_loader, reader_stats
 from data.synthetic import write_synthetic_shards
 from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, resolve_resume, save_checkpoint,
                               saved_world_size)
@@ -232,6 +232,7 @@ def main(argv: list[str]) -> int:
     # ---- data ------------------------------------------------------------------------------------------------
     loader = make_loader(cfg, accelerator, training_shards(cfg, accelerator, out), batches_done)
     batches = iter(loader)
+    data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
 
     # ---- loop ------------------------------------------------------------------------------------------------
     model = accelerator.unwrap_model(transformer)
@@ -280,6 +281,8 @@ def main(argv: list[str]) -> int:
             elapsed = time.perf_counter() - window_start
             metrics.update(lr=lr_scheduler.get_last_lr()[0], ema_decay=ema.cur_decay_value,
                            images_per_s=images_per_step * (step - window_start_step) / elapsed)
+            if data_stats is not None:
+                metrics["data_skipped"] = data_stats.bad_total
             window_start, window_start_step = time.perf_counter(), step
             accelerator.log(metrics, step=step)
             if is_main:
@@ -300,7 +303,8 @@ def main(argv: list[str]) -> int:
             window_start, window_start_step = time.perf_counter(), step
     progress.close()
 
-    print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(model)}")
+    print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(model)}"
+          + (f"; data: {data_stats.summary()}" if data_stats is not None else ""))
 
     # ---- export: EMA weights + frozen parts as a stock diffusers pipeline folder -----------------------------
     export_dir = out / "export"

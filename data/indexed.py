@@ -399,6 +399,7 @@ class IndexedShards(torch.utils.data.Dataset):
         where = urls[0] if len(urls) == 1 else f"{len(urls)} shards ({urls[0]}, ...)"
         self.stats = ReaderStats(where=where)
         self._decode = _DecodeSamples(resolution, caption_field, self.stats)
+        self._known_bad: set[int] = set()
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -456,9 +457,13 @@ class IndexedShards(torch.utils.data.Dataset):
         if not 0 <= i < n:
             raise IndexError(f"sample index {i} out of range for {n} samples")
         for j in range(min(n, MAX_SUBSTITUTES + 1)):
-            sample = self._try((i + j) % n)
+            k = (i + j) % n
+            if k in self._known_bad:
+                continue  # counted and logged when first met: each bad sample is reported once per process
+            sample = self._try(k)
             if sample is not None:
                 return sample
+            self._known_bad.add(k)
         raise RuntimeError(
             f"sample {i} and the {min(n, MAX_SUBSTITUTES + 1) - 1} after it are all unusable ({self.stats.bad}) "
             f"in {self.stats.where}; check the shards, the image format and data.caption_field"

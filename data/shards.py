@@ -230,6 +230,12 @@ class ReaderStats:
     def bad_total(self) -> int:
         return sum(self.bad.values())
 
+    def summary(self) -> str:
+        """One line for logs: samples used, and the skipped ones per reason."""
+        skipped = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.bad.items())) or "none"
+        errors = f"; unreadable shard data: {self.shard_errors}" if self.shard_errors else ""
+        return f"{self.good} samples read; skipped {self.bad_total} ({skipped}){errors}"
+
     def failed(self, what: str) -> None:
         self.failures_in_a_row += 1
         if self.good == 0 and self.failures_in_a_row >= MAX_FAILURES_BEFORE_FIRST_SAMPLE:
@@ -337,6 +343,16 @@ def make_image_text_pipeline(
     pipeline = wds.DataPipeline(*stages)
     pipeline.stats = stats
     return pipeline
+
+
+def reader_stats(loader) -> "ReaderStats | None":
+    """The skip counters of a loader from this module or data.indexed, as seen by this process.
+
+    Indexed loaders sum them over their workers; a streaming loader's counters are only visible with
+    num_workers=0 (otherwise they live in the worker processes, which still log each skip).
+    """
+    stats = getattr(loader, "stats", None) or getattr(getattr(loader, "dataset", None), "stats", None)
+    return stats if isinstance(stats, ReaderStats) else None
 
 
 def check_loader_args(resolution: int, batch_size: int, num_workers: int) -> None:

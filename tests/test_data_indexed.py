@@ -294,25 +294,24 @@ def test_bad_samples_are_replaced_deterministically_and_counted(bad_shard):
     got = [ds[i]["key"] for i in range(8)]
     assert got == ["k0", "k2", "k2", "k4", "k4", "k5", "k6", "k0"]  # the next good index, wrapping around
     assert ds.stats.bad == {"bad image": 2, "missing or empty caption": 1}
-    assert [ds[i]["key"] for i in range(8)] == got and ds.stats.bad["bad image"] == 4  # counted every time
+    # each bad sample is counted once per process: a second pass gives the same keys and adds no counts
+    assert [ds[i]["key"] for i in range(8)] == got and ds.stats.bad == {"bad image": 2, "missing or empty caption": 1}
 
     substitute = dict(zip(range(8), [0, 2, 2, 4, 4, 5, 6, 0]))
-    bad_reason = {1: "bad image", 3: "missing or empty caption", 7: "bad image"}
     runs = []
     for workers in (0, 2):
         loader = make_indexed_loader(bad_shard, RES, batch_size=2, num_workers=workers, seed=4)
         assert loader.batches_per_epoch == 4
         batches = keys_of(loader, 8)  # two epochs
-        runs.append((batches, dict(loader.stats.bad), loader.stats.good))
-        indices = [i for t in range(8) for i in loader.sampler.batch_indices(t)]
+        runs.append(batches)
         assert batches == [[f"k{substitute[i]}" for i in loader.sampler.batch_indices(t)] for t in range(8)]
-        expected_bad = {}
-        for i in indices:
-            if i in bad_reason:
-                expected_bad[bad_reason[i]] = expected_bad.get(bad_reason[i], 0) + 1
-        assert loader.stats.bad == expected_bad and sum(expected_bad.values()) == 6  # 3 bad samples x 2 epochs
         assert loader.stats.good == 16
-    assert runs[0] == runs[1]  # workers change nothing, counts included
+        counts = loader.stats.bad
+        if workers == 0:  # every bad sample met in both epochs, counted once
+            assert counts == {"bad image": 2, "missing or empty caption": 1}
+        else:  # once per worker process that met it
+            assert 2 <= counts["bad image"] <= 2 * workers and 1 <= counts["missing or empty caption"] <= workers
+    assert runs[0] == runs[1]  # workers change nothing in the batches
 
 
 def test_all_bad_fails_with_one_line(tmp_path):

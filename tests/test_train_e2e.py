@@ -92,3 +92,28 @@ def test_fine_tune_from_an_export_at_another_resolution(tmp_path):
 
     tuned_model = PixArtTransformer2DModel.from_pretrained(tuned / "export" / "transformer")
     assert tuned_model.config.sample_size == 16  # 128 px / 8
+
+
+@pytest.mark.slow
+def test_bad_samples_are_skipped_counted_and_reported(tmp_path):
+    from PIL import Image
+
+    from data.synthetic import write_synthetic_shards
+    from shard_helpers import encode, write_tar
+
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_samples=16, samples_per_shard=16, resolution=64)
+    good = encode(Image.new("RGB", (64, 64), (200, 20, 20)), "PNG")
+    write_tar(shards / "hostile.tar", [
+        {"__key__": "corrupt", "png": good[:40], "txt": b"a red square"},  # truncated image
+        {"__key__": "no-caption", "png": good, "txt": b"   "},
+        {"__key__": "fine", "png": good, "txt": b"a red square"},
+    ])
+    out = tmp_path / "run"
+    done = run_train([*TINY_RUN, f"train.output_dir={out}", f"data.shards={shards}", "train.max_steps=10",
+                      "train.log_every=10", "data.batch_size=2"], tmp_path)
+    # 10 steps × 2 samples: a 9-batch epoch of the 19 (one dropped) and a batch of the next; each bad sample is
+    # replaced by its next good neighbour and counted once
+    assert "skipped 2 (bad image: 1, missing or empty caption: 1)" in done.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["data_skipped"] == 2
