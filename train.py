@@ -2,10 +2,11 @@
 
     python train.py                                   # tiny CPU default: synthetic shards, random tiny T5/VAE
     python train.py --config configs/tiny.yaml loss.kind=plain train.max_steps=50
-    accelerate launch train.py --config configs/1b_256.yaml --resume latest
+    accelerate launch --config_file launch/accelerate/zero2.yaml train.py --config configs/1b_256.yaml
+    python train.py --export outputs/tiny/checkpoints/step_0000200 [EXPORT_DIR]   # any checkpoint → diffusers
 
 Reads top to bottom: config → accelerator → frozen encoders, DiT, EMA → data → loop (noise, loss, step, EMA,
-log, checkpoint, sample grid) → export of a diffusers pipeline folder.
+log, checkpoint, sample grid, pre-emption) → export of a diffusers pipeline folder.
 """
 
 from __future__ import annotations
