@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -15,26 +14,30 @@ class MetricWindow:
 
     Non-finite values are not averaged in, but their key is kept (its mean is NaN if nothing finite came), so
     every rank reports the same keys in the same order and one collective can reduce them.
+
+    Values are accumulated as tensors where they live and read (`.item()`) only in `means()`: reading every stat
+    every step would force a GPU synchronisation per stat per step.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = defaultdict(float)
-        self._counts: dict[str, int] = defaultdict(int)
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
 
     def add(self, stats: dict) -> None:
         for name, value in stats.items():
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    continue  # per-sample tensors are for bucketed monitors, not scalar logs
-                value = value.item()
-            self._sums[name] += 0.0  # registers the key
-            if not math.isfinite(value):
-                continue  # e.g. a weight statistic that is undefined for this batch
-            self._sums[name] += float(value)
-            self._counts[name] += 1
+            value = torch.as_tensor(value).detach()
+            if value.numel() != 1:
+                continue  # per-sample tensors are for bucketed monitors, not scalar logs
+            value = value.reshape(()).float()
+            finite = torch.isfinite(value)  # e.g. a weight statistic that is undefined for this batch
+            self._sums[name] = self._sums.get(name, 0.0) + torch.where(finite, value, torch.zeros_like(value))
+            self._counts[name] = self._counts.get(name, 0.0) + finite.float()
 
     def means(self) -> dict[str, float]:
-        out = {k: self._sums[k] / self._counts[k] if self._counts[k] else math.nan for k in self._sums}
+        out = {}
+        for name, total in self._sums.items():
+            count = self._counts[name].item()
+            out[name] = total.item() / count if count else math.nan
         self._sums.clear()
         self._counts.clear()
         return out
