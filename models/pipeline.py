@@ -34,13 +34,26 @@ def image_grid(images: list[Image.Image], columns: int | None = None) -> Image.I
 
 @torch.no_grad()
 def sample_images(pipe: PixArtAlphaPipeline, prompts: list[str], resolution: int, guidance_scale: float,
-                  steps: int, seed: int, max_text_tokens: int) -> list[Image.Image]:
+                  steps: int, seed: int | list[int], max_text_tokens: int) -> list[Image.Image]:
     """Fixed prompts, fixed seed, classifier-free guidance; one image per prompt.
+
+    `seed`: one int seeds a single generator for the whole batch (the training grids); a list gives every image its
+    own CPU generator, and its initial noise is drawn in float32 on the CPU from it, so an image's starting noise
+    depends on its seed only: not on the batch it is sampled in, the device or the pipeline's dtype.
 
     During training the frozen encoders may be in bf16/fp16 while the DiT is float32; the pipeline itself assumes
     one dtype, so mixed parts are run under autocast to the lowest one.
     """
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    latents = None
+    if isinstance(seed, int):
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+    else:
+        if len(seed) != len(prompts):
+            raise ValueError(f"got {len(seed)} seeds for {len(prompts)} prompts")
+        generator = [torch.Generator(device="cpu").manual_seed(s) for s in seed]
+        channels, size = pipe.transformer.config.in_channels, resolution // pipe.vae_scale_factor
+        latents = torch.cat([torch.randn(1, channels, size, size, generator=g) for g in generator])
+        latents = latents.to(pipe.device, pipe.transformer.dtype)
     dtypes = {pipe.transformer.dtype, pipe.vae.dtype, pipe.text_encoder.dtype}
     mixed = contextlib.nullcontext()
     if len(dtypes) > 1:
@@ -49,7 +62,7 @@ def sample_images(pipe: PixArtAlphaPipeline, prompts: list[str], resolution: int
     with mixed:
         return pipe(
             prompts, height=resolution, width=resolution, guidance_scale=guidance_scale, num_inference_steps=steps,
-            generator=generator, max_sequence_length=max_text_tokens, clean_caption=False,
+            generator=generator, latents=latents, max_sequence_length=max_text_tokens, clean_caption=False,
             # Resolution binning only knows PixArt's 256/512/1024 grids; we sample exactly the trained size.
             use_resolution_binning=False,
         ).images

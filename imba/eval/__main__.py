@@ -1,0 +1,3 @@
+from imba.eval.run import cli
+
+cli()
