@@ -32,17 +32,22 @@ Batches are index lists consumed by a map-style DataLoader, which returns them i
 `num_workers` is, and each batch is decoded by one worker: workers are disjoint and the order equals
 `num_workers=0`.
 
-Bad samples (unreadable span, no or undecodable image, missing or empty caption) never shift the order: when
-index i is bad, the sample returned in its place is the first good one among i+1, i+2, ... (wrapping around), a
-function of i alone. Each bad sample met is counted by reason (the reasons of `data.shards`) and logged
-(rate-limited); the loader's `stats` sums the counts over all its workers. A bad sample therefore makes its good
-successor appear twice in that epoch — a negligible bias next to reshuffling everything after it, which would make
-resume depend on decoding.
+Bad samples (unreadable span, and the reasons of `data.shards`: bad image, zero-byte member, image too small,
+missing or empty caption, non-UTF-8 text, bad json) never shift the order: when index i is bad, the sample
+returned in its place is the first good one among i+1, i+2, ... (wrapping around), a function of i alone. Each
+bad sample met is counted by reason and logged (rate-limited); the loader's `stats` sums the counts over all its
+workers. A bad sample therefore makes its good successor appear twice in that epoch — a negligible bias next to
+reshuffling everything after it, which would make resume depend on decoding.
+
+Bad shards are counted once (`stats.shards_bad`) and named in a warning: a truncated or corrupt tar keeps the
+samples before the damage (noted in the index, counted when a loader is built); a shard that cannot be opened, at
+indexing or at reading time, contributes no samples (at reading time its indices are passed over as one block).
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import hashlib
 import io
@@ -51,18 +56,20 @@ import logging
 import os
 import re
 import tarfile
+from stat import S_ISREG
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from .shards import (
+    CORRUPT_TAR,
     REMOTE_PREFIXES,
+    UNREADABLE_SHARD,
     ReaderStats,
     check_loader_args,
     _collate,
     _DecodeSamples,
-    _log_rate_limited,
     derive_seed,
     expand_urls,
 )
@@ -331,16 +338,24 @@ def load_or_build_index(
     parts: list[np.ndarray] = []
     rescanned: list[str] = []
     for path in paths:
-        stat = _stat(path)
-        entry = cached.get(path)
-        if entry is not None and all(entry.get(k) == v for k, v in stat.items()):
-            spans = np.asarray(entry["spans"])
-            note = entry.get("error")
-        else:
-            spans, note = _scan_tar(path)
-            rescanned.append(path)
-            if note is not None:
-                log.warning("shard %s: read %d samples, then stopped (%s)", path, len(spans), note[:200])
+        try:
+            stat = _stat(path)
+            entry = cached.get(path)
+            if entry is not None and all(entry.get(k) == v for k, v in stat.items()):
+                spans = np.asarray(entry["spans"])
+                note = entry.get("error")
+            else:
+                rescanned.append(path)
+                spans, note = _scan_tar(path)
+                if note is not None:
+                    log.warning("shard %s: %s (%s); using the %d samples before the damage", path, CORRUPT_TAR,
+                                note[:200], len(spans))
+        except OSError as exn:  # cannot stat or open: no samples now, rescanned next time (size/mtime never match)
+            stat = {"filesize": -1, "mtime_ns": -1}
+            spans, note = np.zeros((0, 2), np.int64), f"{UNREADABLE_SHARD}: {type(exn).__name__}: {exn}"
+            if path not in rescanned:
+                rescanned.append(path)
+            log.warning("skipping shard %s: %s", path, note[:300])
         item = {"url": path, "nsamples": int(len(spans)), **stat}
         if note is not None:
             item["error"] = note
@@ -389,17 +404,26 @@ class IndexedShards(torch.utils.data.Dataset):
         resolution: int,
         caption_field: str = "caption",
         index_dir: str | os.PathLike | None = None,
+        min_size: int = 0,
     ):
-        if resolution < 1:
-            raise ValueError(f"need resolution >= 1 (got {resolution})")
+        if resolution < 1 or min_size < 0:
+            raise ValueError(f"need resolution >= 1 and min_size >= 0 (got {resolution}, {min_size})")
         self.index = urls if isinstance(urls, ShardIndex) else load_or_build_index(urls, index_dir)
         self.resolution = resolution
         self.caption_field = caption_field
+        self.min_size = min_size
         urls = self.index.urls
         where = urls[0] if len(urls) == 1 else f"{len(urls)} shards ({urls[0]}, ...)"
         self.stats = ReaderStats(where=where)
-        self._decode = _DecodeSamples(resolution, caption_field, self.stats)
+        for entry in self.index.shardlist:  # problems found when indexing: counted once per loader
+            note = entry.get("error")
+            if note is not None:
+                reason = UNREADABLE_SHARD if note.startswith(UNREADABLE_SHARD) else CORRUPT_TAR
+                self.stats.count(reason, f"shard {entry['url']}: {reason}, {entry['nsamples']} samples used "
+                                         f"({note[:200]})", shard=True)
+        self._decode = _DecodeSamples(resolution, caption_field, self.stats, min_size)
         self._known_bad: set[int] = set()
+        self._bad_shards: set[int] = set()  # could not be opened in this process: all their samples are skipped
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -422,7 +446,11 @@ class IndexedShards(torch.utils.data.Dataset):
         if fd is None:
             if len(self._fds) >= MAX_OPEN_SHARDS:
                 os.close(self._fds.popitem(last=False)[1])
-            fd = self._fds[shard] = os.open(self.index.urls[shard], os.O_RDONLY)
+            fd = os.open(self.index.urls[shard], os.O_RDONLY)
+            if not S_ISREG(os.fstat(fd).st_mode):  # e.g. a directory now stands where the shard was
+                os.close(fd)
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", self.index.urls[shard])
+            self._fds[shard] = fd
         else:
             self._fds.move_to_end(shard)
         return fd
@@ -439,14 +467,21 @@ class IndexedShards(torch.utils.data.Dataset):
         return sample
 
     def _try(self, i: int) -> dict[str, Any] | None:
+        shard = self.index.locate(i)[0]
+        url = self.index.urls[shard]
+        try:
+            self._fd(shard)
+        except OSError as exn:  # vanished, permissions, I/O error: the whole shard is skipped
+            self._bad_shards.add(shard)
+            self.stats.count(UNREADABLE_SHARD, f"skipping shard {url}: {UNREADABLE_SHARD} ({exn})", shard=True)
+            self.stats.failed(f"{UNREADABLE_SHARD} {url}")
+            return None
         try:
             raw = self.raw(i)
         except Exception as exn:  # I/O error, corrupt or changed tar
             reason = "unreadable sample"
-            self.stats.bad[reason] = self.stats.bad.get(reason, 0) + 1
-            shard = self.index.urls[self.index.locate(i)[0]]
-            _log_rate_limited(self.stats.bad_total, f"skipping bad sample {shard}#{i}: {reason} {exn!r}"[:300])
-            self.stats.failed(f"{reason} at {shard}#{i}")
+            self.stats.count(reason, f"skipping bad sample {url}#{i}: {reason} {exn!r}")
+            self.stats.failed(f"{reason} at {url}#{i}")
             return None
         decoded = list(self._decode([raw]))  # counts and logs the bad ones with the streaming reader's reasons
         return decoded[0] if decoded else None
@@ -456,17 +491,27 @@ class IndexedShards(torch.utils.data.Dataset):
         i = int(i)
         if not 0 <= i < n:
             raise IndexError(f"sample index {i} out of range for {n} samples")
-        for j in range(min(n, MAX_SUBSTITUTES + 1)):
-            k = (i + j) % n
-            if k in self._known_bad:
-                continue  # counted and logged when first met: each bad sample is reported once per process
-            sample = self._try(k)
-            if sample is not None:
-                return sample
-            self._known_bad.add(k)
+        k, visited, tried = i, 0, 0
+        while visited < n and tried <= MAX_SUBSTITUTES:
+            shard = int(np.searchsorted(self.index.starts, k, side="right")) - 1
+            if shard in self._bad_shards:  # pass over the rest of an unreadable shard as one block
+                end = int(self.index.starts[shard + 1])
+                visited += end - k
+                k = end % n
+                continue
+            visited += 1
+            if k not in self._known_bad:  # counted and logged when first met: reported once per process
+                tried += 1
+                sample = self._try(k)
+                if sample is not None:
+                    return sample
+                if shard not in self._bad_shards:
+                    self._known_bad.add(k)
+            k = (k + 1) % n
         raise RuntimeError(
-            f"sample {i} and the {min(n, MAX_SUBSTITUTES + 1) - 1} after it are all unusable ({self.stats.bad}) "
-            f"in {self.stats.where}; check the shards, the image format and data.caption_field"
+            f"sample {i} and the {visited - 1} after it are all unusable ({self.stats.bad}; bad shards: "
+            f"{self.stats.shards_bad}) in {self.stats.where}; check the shards, the image format and "
+            f"data.caption_field"
         )
 
 
@@ -628,9 +673,13 @@ class _BatchFetch(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, indices: list[int]) -> dict[str, Any]:
-        before = dict(self.dataset.stats.bad)
+        stats = self.dataset.stats
+        before, before_shards = dict(stats.bad), dict(stats.shards_bad)
         batch = _collate([self.dataset[i] for i in indices])
-        batch["_bad"] = {r: n - before.get(r, 0) for r, n in self.dataset.stats.bad.items() if n != before.get(r, 0)}
+        batch["_bad"] = {r: n - before.get(r, 0) for r, n in stats.bad.items() if n != before.get(r, 0)}
+        batch["_shards_bad"] = {
+            r: n - before_shards.get(r, 0) for r, n in stats.shards_bad.items() if n != before_shards.get(r, 0)
+        }
         return batch
 
 
@@ -650,7 +699,8 @@ class IndexedLoader:
         self.sampler = sampler
         self.batches_per_epoch = sampler.batches_per_epoch
         self.start_batch = sampler.start_batch
-        self.stats = ReaderStats(where=dataset.stats.where)
+        # problems found when indexing (counted by the dataset at construction) + what the workers report
+        self.stats = ReaderStats(where=dataset.stats.where, shards_bad=dict(dataset.stats.shards_bad))
         self._loader = torch.utils.data.DataLoader(
             _BatchFetch(dataset),
             sampler=sampler,
@@ -667,6 +717,8 @@ class IndexedLoader:
         for batch in self._loader:
             for reason, n in batch.pop("_bad").items():
                 self.stats.bad[reason] = self.stats.bad.get(reason, 0) + n
+            for reason, n in batch.pop("_shards_bad").items():
+                self.stats.shards_bad[reason] = self.stats.shards_bad.get(reason, 0) + n
             self.stats.good += len(batch["keys"])
             yield batch
 
@@ -683,15 +735,17 @@ def make_indexed_loader(
     caption_field: str = "caption",
     index_dir: str | os.PathLike | None = None,
     shard_window: int = 0,
+    min_size: int = 0,
 ) -> IndexedLoader:
     """Infinite, exactly resumable loader over local tar shards; same batches as `make_image_text_loader`.
 
     `start_batch` = batches this rank already consumed (step * grad_accum after a resume): the first batch is
     the one an uninterrupted run would draw next. Every rank gets `loader.batches_per_epoch` batches per epoch.
     `shard_window` > 0 reads shards in windows of that many for locality (0: uniform order over all samples).
+    `min_size` > 0 skips (substitutes) images whose shorter side is below it, in pixels.
     """
-    check_loader_args(resolution, batch_size, num_workers)
-    dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir)
+    check_loader_args(resolution, batch_size, num_workers, min_size)
+    dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir, min_size=min_size)
     sampler = IndexedBatchSampler(
         len(dataset),
         batch_size,

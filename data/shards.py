@@ -6,9 +6,21 @@ resume_step) — never from pid or time — so the same arguments reproduce the 
 workers or resume steps get different streams. Exact resume (skip what was consumed) is the job of an indexed
 reader (wids), not of this one.
 
-Bad samples (undecodable image, no image, missing or empty caption) and unreadable shards are skipped and
-counted, never fatal — except when nothing readable has come out at all after many attempts, which is a wrong
-path or layout, reported in one line instead of an endless silent loop.
+Bad samples and shards are skipped, counted per reason (`ReaderStats`), logged (rate-limited, plus a per-reason
+summary every few minutes) and never fatal — except when nothing readable has come out at all after many attempts,
+which is a wrong path or layout, reported in one line instead of an endless silent loop. Sample reasons (the same
+in data.indexed):
+
+  bad image                 undecodable or truncated image, or no jpg/jpeg/png/webp member
+  zero-byte member          the image member is empty (a failed download or an interrupted write)
+  image too small           shorter side below `min_size` pixels (checked on the header, before any draft)
+  missing or empty caption  no txt member and no caption field in json, or only whitespace
+  non-UTF-8 text            txt or json bytes that are not valid UTF-8
+  bad json                  json needed for the caption but not parseable
+
+Shard reasons (counted once per read of the shard, the shard named in a warning): `unreadable shard` (cannot be
+opened or read: permissions, vanished file, I/O error) and `truncated or corrupt tar` (the samples before the
+damage are used).
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import json
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -39,6 +52,7 @@ __all__ = [
     "sample_caption",
     "sample_image",
     "derive_seed",
+    "BadSample",
     "ReaderStats",
     "make_image_text_pipeline",
     "make_image_text_loader",
@@ -52,6 +66,25 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 # Give up (one clear error) when this many samples/shards failed in a row before any sample was usable.
 MAX_FAILURES_BEFORE_FIRST_SAMPLE = 1000
+SUMMARY_EVERY_S = 300.0  # a process that skipped something logs its per-reason summary at most this often
+
+# Skip reasons (see the module docstring).
+BAD_IMAGE = "bad image"
+ZERO_BYTES = "zero-byte member"
+TOO_SMALL = "image too small"
+NO_CAPTION = "missing or empty caption"
+NOT_UTF8 = "non-UTF-8 text"
+BAD_JSON = "bad json"
+UNREADABLE_SHARD = "unreadable shard"
+CORRUPT_TAR = "truncated or corrupt tar"
+
+
+class BadSample(ValueError):
+    """A sample that cannot be used, with the reason it is counted under."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -150,32 +183,57 @@ def image_to_tensor(img: Image.Image) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _utf8(data: bytes | bytearray | str, member: str) -> str:
+    if isinstance(data, str):
+        return data
+    try:
+        return bytes(data).decode("utf-8-sig")  # a leading byte-order mark is dropped
+    except UnicodeDecodeError as exn:
+        raise BadSample(NOT_UTF8, f"{member} member: {exn}") from None
+
+
 def sample_caption(sample: dict[str, Any], caption_field: str = "caption") -> str:
-    """The caption of a raw sample: its `txt` member if non-empty, else `json[caption_field]`; "" if none."""
+    """The caption of a raw sample: its `txt` member if non-empty, else `json[caption_field]`; "" if none.
+
+    Raises `BadSample` for text that is not UTF-8 ("non-UTF-8 text") or json that cannot be parsed ("bad json").
+    """
     txt = sample.get("txt")
     if txt is not None:
-        text = (txt.decode("utf-8") if isinstance(txt, (bytes, bytearray)) else str(txt)).strip()
+        text = _utf8(txt, "txt").strip()
         if text:
             return text
     meta = sample.get("json")
     if meta is not None:
         if isinstance(meta, (bytes, bytearray, str)):
-            meta = json.loads(meta)
+            try:
+                meta = json.loads(_utf8(meta, "json"))
+            except ValueError as exn:
+                if isinstance(exn, BadSample):
+                    raise
+                raise BadSample(BAD_JSON, str(exn)) from None
         value = meta.get(caption_field) if isinstance(meta, dict) else None
         if isinstance(value, str):
             return value.strip()
     return ""
 
 
-def sample_image(sample: dict[str, Any], resolution: int | None = None) -> Image.Image:
-    """Decode the first image member (jpg, jpeg, png, webp) of a raw sample; raises if none or undecodable."""
+def sample_image(sample: dict[str, Any], resolution: int | None = None, min_size: int = 0) -> Image.Image:
+    """Decode the first image member (jpg, jpeg, png, webp) of a raw sample; raises if none or undecodable.
+
+    An empty member raises `BadSample("zero-byte member")`; an image whose shorter side is below `min_size`
+    (read from the header, before decoding) raises `BadSample("image too small")`.
+    """
     for ext in IMAGE_EXTENSIONS:
         data = sample.get(ext)
         if data is not None:
             break
     else:
         raise ValueError(f"no image member ({', '.join(IMAGE_EXTENSIONS)}) in sample, has {sorted(sample)}")
+    if len(data) == 0:
+        raise BadSample(ZERO_BYTES, f"{ext} member is empty")
     img = Image.open(io.BytesIO(data))
+    if min_size and min(img.size) < min_size:
+        raise BadSample(TOO_SMALL, f"{img.size[0]}x{img.size[1]}, shorter side below min_size {min_size}")
     if resolution is not None and img.format == "JPEG":
         img.draft("RGB", (resolution, resolution))  # DCT-domain downscale, never below the requested size
     img.load()
@@ -221,20 +279,39 @@ class ReaderStats:
     """Per-process counts (each DataLoader worker has its own copy)."""
 
     good: int = 0
-    bad: dict[str, int] = field(default_factory=dict)  # reason -> count
-    shard_errors: int = 0
+    bad: dict[str, int] = field(default_factory=dict)  # sample reason -> samples skipped
+    shards_bad: dict[str, int] = field(default_factory=dict)  # shard reason -> shard reads that failed
     failures_in_a_row: int = 0
     where: str = ""  # shard spec, for messages
+    last_summary: float = field(default_factory=time.monotonic)
 
     @property
     def bad_total(self) -> int:
         return sum(self.bad.values())
 
+    @property
+    def shard_errors(self) -> int:
+        return sum(self.shards_bad.values())
+
     def summary(self) -> str:
-        """One line for logs: samples used, and the skipped ones per reason."""
+        """One line for logs: samples used, the skipped ones per reason, and the shards that failed per reason."""
         skipped = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.bad.items())) or "none"
-        errors = f"; unreadable shard data: {self.shard_errors}" if self.shard_errors else ""
+        shards = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.shards_bad.items()))
+        errors = f"; bad shards {self.shard_errors} ({shards})" if self.shard_errors else ""
         return f"{self.good} samples read; skipped {self.bad_total} ({skipped}){errors}"
+
+    def count(self, reason: str, message: str, shard: bool = False) -> None:
+        """Count one skipped sample (or failed shard read) under `reason` and log it (rate-limited)."""
+        table = self.shards_bad if shard else self.bad
+        table[reason] = table.get(reason, 0) + 1
+        if shard:  # every failed shard is named (its first failures; then every 1000th)
+            _log_rate_limited(table[reason], message[:300])
+        else:
+            _log_rate_limited(self.bad_total, message[:300])
+        now = time.monotonic()
+        if now - self.last_summary >= SUMMARY_EVERY_S:
+            self.last_summary = now
+            log.warning("data reader (%s): %s", self.where, self.summary())
 
     def failed(self, what: str) -> None:
         self.failures_in_a_row += 1
@@ -250,17 +327,43 @@ def _log_rate_limited(count: int, message: str) -> None:
         log.warning("%s (occurrence %d%s)", message, count, "; further ones logged every 1000th" if count == 10 else "")
 
 
+def shard_failure_reason(exn: BaseException) -> str:
+    """`unreadable shard` for I/O errors (cannot open or read the file), else `truncated or corrupt tar`."""
+    return UNREADABLE_SHARD if isinstance(exn, OSError) else CORRUPT_TAR
+
+
 @dataclass
-class _ShardErrorHandler:
-    """webdataset handler for unreadable shards/members: count, log, continue (warn_and_continue sleeps 0.5 s)."""
+class _ReadShards:
+    """{"url"} dicts -> raw samples, one shard at a time through webdataset's tar reader.
+
+    A shard that fails (cannot be opened, truncated, corrupt) keeps the samples read before the failure and is
+    counted once per read, under the reason of its first error, and named in a warning (webdataset may report
+    one truncation twice: at the member and at the next header; its own warn_and_continue also sleeps 0.5 s).
+    """
 
     stats: ReaderStats
 
-    def __call__(self, exn: BaseException) -> bool:
-        self.stats.shard_errors += 1
-        _log_rate_limited(self.stats.shard_errors, f"skipping unreadable shard data: {exn!r}"[:300])
-        self.stats.failed(repr(exn)[:200])
-        return True
+    def __call__(self, src: Iterable[dict]) -> Iterator[dict]:
+        for shard in src:
+            url = shard["url"]
+            errors: list[BaseException] = []
+
+            def handler(exn: BaseException) -> bool:
+                errors.append(exn)
+                return True
+
+            source = dict(shard)  # webdataset's opener adds the open "stream" to it
+            try:
+                yield from wds.tarfile_samples([source], handler=handler)
+            finally:
+                stream = source.get("stream")
+                if stream is not None:  # closed now, not whenever the garbage collector gets to it
+                    stream.close()
+            if errors:
+                exn = errors[0]
+                reason = shard_failure_reason(exn)
+                self.stats.count(reason, f"skipping shard {url}: {reason} ({type(exn).__name__}: {exn})", shard=True)
+                self.stats.failed(f"{reason} {url}")
 
 
 @dataclass
@@ -280,28 +383,28 @@ class _DecodeSamples:
     resolution: int
     caption_field: str
     stats: ReaderStats
+    min_size: int = 0
 
     def _bad(self, reason: str, sample: dict, detail: str = "") -> None:
-        self.stats.bad[reason] = self.stats.bad.get(reason, 0) + 1
         where = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
-        _log_rate_limited(self.stats.bad_total, f"skipping bad sample {where}: {reason} {detail}"[:300])
+        self.stats.count(reason, f"skipping bad sample {where}: {reason} {detail}")
         self.stats.failed(f"{reason} at {where}")
 
     def __call__(self, src: Iterable[dict]) -> Iterator[dict]:
         for sample in src:
             try:
                 caption = sample_caption(sample, self.caption_field)
-            except Exception as exn:  # bad json / encoding
-                self._bad("bad caption", sample, repr(exn))
+            except Exception as exn:  # non-UTF-8 text, bad json
+                self._bad(exn.reason if isinstance(exn, BadSample) else BAD_JSON, sample, repr(exn))
                 continue
             if not caption:
-                self._bad("missing or empty caption", sample)
+                self._bad(NO_CAPTION, sample)
                 continue
             try:
-                img = sample_image(sample, self.resolution)
+                img = sample_image(sample, self.resolution, self.min_size)
                 pixels = image_to_tensor(resize_center_crop(to_rgb(img), self.resolution))
-            except Exception as exn:  # undecodable, truncated, decompression bomb, no image member
-                self._bad("bad image", sample, repr(exn))
+            except Exception as exn:  # undecodable, truncated, decompression bomb, no image member, too small
+                self._bad(exn.reason if isinstance(exn, BadSample) else BAD_IMAGE, sample, repr(exn))
                 continue
             self.stats.good += 1
             self.stats.failures_in_a_row = 0
@@ -325,21 +428,35 @@ def make_image_text_pipeline(
     resume_step: int = 0,
     shuffle_buffer: int = 1000,
     caption_field: str = "caption",
+    min_size: int = 0,
+    resampled: bool = True,
+    world_size: int = 1,
+    partial: bool = False,
 ) -> wds.DataPipeline:
-    """The infinite, batched webdataset pipeline behind `make_image_text_loader` (its `.stats` counts skips)."""
+    """The batched webdataset pipeline behind `make_image_text_loader` (its `.stats` counts skips).
+
+    `resampled=False`: one pass over this rank's shards (`urls[rank::world_size]`, split across DataLoader
+    workers) in the given order, then the stream ends (statistics, evaluation, tests); `partial` keeps a last,
+    smaller batch.
+    """
     urls = expand_urls(urls)
     stats = ReaderStats(where=urls[0] if len(urls) == 1 else f"{len(urls)} shards ({urls[0]}, ...)")
-    shards = wds.ResampledShards(
-        urls,
-        seed=0,
-        worker_seed=_StreamSeed(seed, rank, resume_step, "shards"),
-        deterministic=True,  # otherwise webdataset mixes pid, time_ns and urandom into the seed
-    )
-    stages: list[Any] = [shards, wds.tarfile_to_samples(handler=_ShardErrorHandler(stats))]
+    if resampled:
+        shards: list[Any] = [
+            wds.ResampledShards(
+                urls,
+                seed=0,
+                worker_seed=_StreamSeed(seed, rank, resume_step, "shards"),
+                deterministic=True,  # otherwise webdataset mixes pid, time_ns and urandom into the seed
+            )
+        ]
+    else:
+        shards = [wds.SimpleShardList(urls[rank::world_size]), wds.split_by_worker]
+    stages: list[Any] = [*shards, _ReadShards(stats)]
     if shuffle_buffer > 1:
         stages.append(_SeededShuffle(shuffle_buffer, _StreamSeed(seed, rank, resume_step, "shuffle")))
-    stages.append(_DecodeSamples(resolution, caption_field, stats))
-    stages.append(wds.batched(batch_size, collation_fn=_collate, partial=False))
+    stages.append(_DecodeSamples(resolution, caption_field, stats, min_size))
+    stages.append(wds.batched(batch_size, collation_fn=_collate, partial=partial))
     pipeline = wds.DataPipeline(*stages)
     pipeline.stats = stats
     return pipeline
@@ -355,10 +472,11 @@ def reader_stats(loader) -> "ReaderStats | None":
     return stats if isinstance(stats, ReaderStats) else None
 
 
-def check_loader_args(resolution: int, batch_size: int, num_workers: int) -> None:
-    if resolution < 1 or batch_size < 1 or num_workers < 0:
+def check_loader_args(resolution: int, batch_size: int, num_workers: int, min_size: int = 0) -> None:
+    if resolution < 1 or batch_size < 1 or num_workers < 0 or min_size < 0:
         raise ValueError(
-            f"need resolution >= 1, batch_size >= 1, num_workers >= 0 (got {resolution}, {batch_size}, {num_workers})"
+            f"need resolution >= 1, batch_size >= 1, num_workers >= 0, min_size >= 0 "
+            f"(got {resolution}, {batch_size}, {num_workers}, {min_size})"
         )
 
 
@@ -373,13 +491,17 @@ def make_image_text_loader(
     resume_step: int = 0,
     shuffle_buffer: int = 1000,
     caption_field: str = "caption",
+    min_size: int = 0,
+    resampled: bool = True,
 ) -> torch.utils.data.DataLoader:
     """Infinite DataLoader of {"pixels": (B, 3, R, R) float32 in [-1, 1], "captions": [str], "keys": [str]}.
 
     `urls` is anything `expand_urls` accepts. Shards are resampled with replacement, so every rank reads all
     shards and `world_size` is only checked; ranks, workers and resume steps differ through the seed.
+    `min_size` > 0 skips images whose shorter side is below it (pixels). `resampled=False` reads this rank's
+    shards once, in order, and ends (the last, smaller batch is kept).
     """
-    check_loader_args(resolution, batch_size, num_workers)
+    check_loader_args(resolution, batch_size, num_workers, min_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     pipeline = make_image_text_pipeline(
@@ -391,6 +513,10 @@ def make_image_text_loader(
         resume_step=resume_step,
         shuffle_buffer=shuffle_buffer,
         caption_field=caption_field,
+        min_size=min_size,
+        resampled=resampled,
+        world_size=world_size,
+        partial=not resampled,
     )
     return torch.utils.data.DataLoader(
         pipeline,

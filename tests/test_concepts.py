@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import logging
 import math
@@ -374,3 +375,37 @@ def test_module_entry_point(tmp_path):
                                                     "long_tail.png"]
     assert C.load_buckets(tmp_path / "out") == {"cat": "head", "dog": "head"}
     assert C.extractor_from_stats(tmp_path / "out") is C.default_extractor()
+
+
+def test_benchmark_leaves_out_pairs_seen_together(tmp_path, capsys):
+    captions = ["a cat and a dog", "a cat", "a cat", "a dog", "a horse", "a bird and a horse", "a bird",
+                "a car", "a tree", "a tree and a car", "a cat and a dog on a bench", "a bench"]
+    C.write_stats(C.count_concepts(captions), tmp_path / "stats")
+    path = tmp_path / "stats" / "concepts.json"
+    payload = C.load_stats(path)
+    together = {frozenset(("cat", "dog")), frozenset(("bird", "horse")), frozenset(("car", "tree")),
+                frozenset(("bench", "cat")), frozenset(("bench", "dog"))}
+    assert {frozenset(p[:2]) for p in payload["pairs"]} == together
+    assert payload["pairs"][0] == ["cat", "dog", 2]  # most frequent first, a < b
+
+    concepts = {"cat", "dog", "horse", "bird", "car", "tree", "bench"}
+    every = {frozenset(p) for p in itertools.combinations(sorted(concepts), 2)}
+    args = dict(per_bin=10, num_pairs=100, captions_per_pair=1, num_bins=1)
+    inert = {frozenset(p["concepts"]) for p in C.build_benchmark(path, **args)}
+    assert inert == every - together  # all 21 - 5 pairs, none of them seen together
+    allowed = {frozenset(p["concepts"]) for p in C.build_benchmark(path, allow_cooccurring=True, **args)}
+    assert allowed == every
+
+    out = tmp_path / "prompts.json"
+    base = ["build-benchmark", "--stats", str(path), "--out", str(out), "--pairs", "100", "--per-bin", "10",
+            "--captions-per-pair", "1", "--bins", "1"]
+    assert C.main(base) == 0
+    assert {frozenset(p["concepts"]) for p in json.loads(out.read_text())} == every - together
+    assert C.main(base + ["--allow-cooccurring"]) == 0
+    assert {frozenset(p["concepts"]) for p in json.loads(out.read_text())} == every
+
+    old = dict(payload)  # statistics written before pair counts were recorded: one-line error naming the fix
+    del old["pairs"]
+    with pytest.raises(ValueError, match="no pair counts.*--allow-cooccurring"):
+        C.build_benchmark(old, **args)
+    assert {frozenset(p["concepts"]) for p in C.build_benchmark(old, allow_cooccurring=True, **args)} == every
