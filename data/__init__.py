@@ -1,4 +1,7 @@
-"""bytes -> tensors: shard reading, image transforms, synthetic data. Never imports imba, models or train."""
+"""bytes -> tensors: shard reading, image transforms, writers, precompute, synthetic data, concept statistics.
+
+Never imports imba or train; only the precompute command imports models (it runs the frozen VAE and T5).
+"""
 
 from .indexed import (
     IndexedBatchSampler,
