@@ -24,13 +24,14 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
+from data.concepts import CaptionBucketer, collect_stats, write_stats
 from data.indexed import load_or_build_index, make_indexed_loader
 from data.shards import expand_urls, is_remote, make_image_text_loader, reader_stats
 from data.synthetic import write_synthetic_shards
 from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, resolve_resume, save_checkpoint,
                               saved_world_size)
-from imba.config import Config, ConfigError, dump_config, load_config, save_config, to_dict
-from imba.monitor import JsonlLogger, MetricWindow
+from imba.config import Config, ConfigError, dump_config, flat_dict, load_config, save_config
+from imba.monitor import BucketMonitor, JsonlLogger, MetricWindow
 from imba.objectives import build_objective
 from imba.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.step import TrainingLoss
@@ -82,6 +83,19 @@ def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[st
                                   seed=cfg.train.seed)  # already complete: returns the paths without writing
 
 
+def concept_bucketer(cfg: Config, accelerator: Accelerator, shards: list[str], out: Path) -> CaptionBucketer | None:
+    """Caption → head/torso/tail labeller for the IMBA monitor (train.concept_stats), or None when it is off."""
+    path = cfg.train.concept_stats
+    if path == "none" or (path == "auto" and cfg.data.shards):
+        return None
+    if path == "auto":  # synthetic data: count its concepts once (a second or two)
+        path = out / "concepts" / "concepts.json"
+        if accelerator.is_main_process and not path.is_file():
+            write_stats(collect_stats(shards), path.parent)
+        accelerator.wait_for_everyone()
+    return CaptionBucketer.from_stats(path)
+
+
 def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batches_done: int):
     """Indexed (exact resume: starts at the batch an uninterrupted run would draw next) or streaming reader."""
     mode = cfg.data.mode
@@ -89,7 +103,7 @@ def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batche
         mode = "streaming" if any(is_remote(url) for url in shards) else "indexed"
     common = dict(resolution=cfg.data.resolution, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                   seed=cfg.train.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                  caption_field=cfg.data.caption_field)
+                  caption_field=cfg.data.caption_field, min_size=cfg.data.min_size)
     if mode == "indexed":
         if accelerator.is_main_process:
             load_or_build_index(shards)  # scan the tars once, before every rank opens the cached index
@@ -164,7 +178,7 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
                           "single-process, DDP and ZeRO-1/2 checkpoints")
     ema.copy_to(transformer.parameters())
     export_dir = Path(export_dir or checkpoint.parent.parent / f"export_{checkpoint.name}")
-    scheduler = build_objective(cfg.objective.kind, **objective_kwargs(cfg)).sampling_scheduler()
+    scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
     export_pipeline(build_pipeline(transformer, vae, t5, tokenizer, scheduler), export_dir)
     print(f"exported the EMA weights of {checkpoint} to {export_dir}")
     return export_dir
@@ -194,7 +208,7 @@ def main(argv: list[str]) -> int:
     scale = vae_scale_factor(vae)
     ema = EMAModel(transformer.parameters(), decay=cfg.optim.ema_decay, model_cls=type(transformer),
                    model_config=transformer.config)
-    objective = build_objective(cfg.objective.kind, **objective_kwargs(cfg))
+    objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
     loss_fn = TrainingLoss(cfg.loss.kind, gamma=cfg.loss.gamma, lam=cfg.loss.lam,
                            patch_size=transformer.config.patch_size, distance=cfg.loss.distance,
                            reference=cfg.loss.reference, normalize=cfg.loss.normalize,
@@ -231,16 +245,18 @@ def main(argv: list[str]) -> int:
     state.world_size = accelerator.num_processes
 
     # ---- data ------------------------------------------------------------------------------------------------
-    loader = make_loader(cfg, accelerator, training_shards(cfg, accelerator, out), batches_done)
+    shards = training_shards(cfg, accelerator, out)
+    loader = make_loader(cfg, accelerator, shards, batches_done)
     batches = iter(loader)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
 
     # ---- loop ------------------------------------------------------------------------------------------------
     model = accelerator.unwrap_model(transformer)
     pipe_parts = dict(vae=vae, text_encoder=t5, tokenizer=tokenizer, scheduler=objective.sampling_scheduler())
-    accelerator.init_trackers("imba-dit", config=flat_config(cfg))
+    accelerator.init_trackers("imba-dit", config=flat_dict(cfg))
     metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
     window = MetricWindow()
+    monitor, bucketer = BucketMonitor(), concept_bucketer(cfg, accelerator, shards, out)
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     images_per_step = cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes
     window_start, window_start_step = time.perf_counter(), state.step
@@ -268,6 +284,8 @@ def main(argv: list[str]) -> int:
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         window.add(stats)
+        if bucketer is not None:
+            monitor.add(bucketer(batch["captions"]), stats)
         if not accelerator.sync_gradients:
             continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
 
@@ -276,7 +294,7 @@ def main(argv: list[str]) -> int:
         progress.update(1)
         step = state.step
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-            means = window.means()  # same keys, same order on every rank: one gather, NaN-aware mean over ranks
+            means = window.means() | monitor.means()  # same keys, same order on every rank: one gather, NaN-aware mean over ranks
             values = accelerator.gather(torch.tensor([list(means.values())], device=device)).nanmean(dim=0)
             metrics = dict(zip(means, values.tolist()))
             elapsed = time.perf_counter() - window_start
@@ -319,22 +337,6 @@ def main(argv: list[str]) -> int:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0
-
-
-def objective_kwargs(cfg: Config) -> dict:
-    o = cfg.objective
-    if o.kind == "flow":
-        return dict(logit_mean=o.logit_mean, logit_std=o.logit_std, shift=o.shift)
-    return dict(beta_schedule=o.beta_schedule, beta_start=o.beta_start, beta_end=o.beta_end)
-
-
-def flat_config(cfg: Config) -> dict:
-    """Tracker-friendly flat view of the config (TensorBoard hparams take scalars only)."""
-    flat = {}
-    for section, values in to_dict(cfg).items():
-        for key, value in values.items():
-            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return flat
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ Benchmark (the IMBA paper's Inert-CompBench recipe). Concepts (objects only, cou
 `num_bins` bins of equal width in log(count), bin 0 the rarest; `per_bin` concepts are drawn from each bin;
 pairs of the drawn concepts are taken round-robin over the bin pairs (rarest bin pairs first: tail x tail,
 tail x next, ..., head x head) until `num_pairs`; each pair gets `captions_per_pair` prompts from distinct
-templates. Every random choice uses `random.Random(seed).random()` only, whose stream is stable across Python
-versions, so the same stats and seed give the same prompts.
+templates. Pairs that co-occur in any training caption (`pairs` of concepts.json) are left out, as in the paper,
+whose inert pairs never appear together (`allow_cooccurring=True` / `--allow-cooccurring` keeps them). Every random
+choice uses `random.Random(seed).random()` only, whose stream is stable across Python versions, so the same stats
+and seed give the same prompts.
 
 Outputs of `stats` (in --out): concepts.csv, concepts.json, long_tail.png, cooccurrence.csv.
 """
@@ -93,6 +95,7 @@ __all__ = [
     "bucket_summary",
     "caption_buckets",
     "caption_bucket",
+    "CaptionBucketer",
     "npmi",
     "cooccurrence_table",
     "plot_long_tail",
@@ -873,6 +876,23 @@ def caption_bucket(
     return touched[0] if touched else None
 
 
+class CaptionBucketer:
+    """Caption → the bucket of its rarest concept ("head" / "torso" / "tail", None if it names no known concept),
+    as recorded in a concepts.json: the labels of the training monitor (imba.monitor.BucketMonitor)."""
+
+    def __init__(self, buckets: Mapping[str, str], extractor: Extractor | None = None):
+        self.buckets = dict(buckets)
+        self.extractor = extractor or default_extractor()
+
+    @classmethod
+    def from_stats(cls, path: str | os.PathLike) -> "CaptionBucketer":
+        stats = load_stats(path)
+        return cls({row["concept"]: row["bucket"] for row in stats["concepts"]}, extractor_from_stats(stats))
+
+    def __call__(self, captions: Sequence[str]) -> list[str | None]:
+        return [caption_bucket(c, self.buckets, self.extractor) for c in captions]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Co-occurrence
 # --------------------------------------------------------------------------------------------------------------
@@ -1157,6 +1177,10 @@ def write_stats(
         "skipped": dict(sorted(stats.skipped.items())),
         "sources": {"count": len(stats.sources), "first": stats.sources[:3]},
         "concepts": rows,
+        # every pair seen together: [a, b, captions mentioning both] (a < b), most frequent first; the benchmark
+        # builder leaves these out (at most V(V-1)/2 rows for a V-concept vocabulary)
+        "pairs": [[a, b, k] for (a, b), k in sorted(stats.pair_counts.items(), key=lambda kv: (-kv[1], kv[0]))
+                  if k > 0],
     }
     with open(paths["concepts.json"], "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1)
@@ -1294,14 +1318,23 @@ def build_benchmark(
     min_count: int = 1,
     include_attributes: bool = False,
     templates: Sequence[str] = TEMPLATES,
+    allow_cooccurring: bool = False,
 ) -> list[dict[str, Any]]:
     """Inert-concept composition prompts from concept statistics (a concepts.json path or its parsed dict).
 
     Returns a list of {"prompt", "concepts": [a, b], "counts", "buckets", "bins", "template"}, deterministic in
-    (stats, arguments). See the module docstring for the sampling recipe.
+    (stats, arguments). See the module docstring for the sampling recipe. Pairs seen together in a training
+    caption are left out (so fewer than `num_pairs` may come out) unless `allow_cooccurring`.
     """
     if isinstance(stats, (str, os.PathLike)):
         stats = load_stats(stats)
+    together: set[frozenset] = set()
+    if not allow_cooccurring:
+        if "pairs" not in stats:
+            raise ValueError("these concept statistics hold no pair counts (written by an older data.concepts): "
+                             "rerun `python -m data.concepts stats`, or allow co-occurring pairs "
+                             "(--allow-cooccurring)")
+        together = {frozenset((a, b)) for a, b, k in stats["pairs"] if k > 0}
     if per_bin < 1 or num_pairs < 1 or captions_per_pair < 1:
         raise ValueError("per_bin, num_pairs and captions_per_pair must be >= 1")
     if not templates or any("{a}" not in t or "{b}" not in t for t in templates):
@@ -1321,6 +1354,8 @@ def build_benchmark(
 
     groups: dict[tuple[int, int], list[tuple[str, str]]] = {}
     for a, b in itertools.combinations(chosen, 2):
+        if frozenset((a, b)) in together:
+            continue
         key = tuple(sorted((bin_of[a], bin_of[b])))
         groups.setdefault(key, []).append((a, b))
     order = sorted(groups, key=lambda k: (k[0] + k[1], k[0]))
@@ -1364,7 +1399,8 @@ Concept statistics of a caption set and an inert-concept benchmark built from th
 `stats` writes into --out:
   concepts.csv      concept, count (captions mentioning it), fraction of captions, rank, bucket
   concepts.json     the same rows plus totals, the bucket definition, per-bucket ranges and the equivalent
-                    count thresholds (read it with data.concepts.load_buckets for per-bucket monitoring)
+                    count thresholds (read it with data.concepts.load_buckets for per-bucket monitoring),
+                    and every pair of concepts seen together with its count (build-benchmark leaves them out)
   long_tail.png     log-log rank vs count, coloured by head/torso/tail, bucket boundaries dashed
   cooccurrence.csv  pairs of the top-K concepts: a, b, count_a, count_b, count_ab, npmi (highest first)
 and prints the most correlated pairs (spurious-correlation candidates) and frequent pairs never seen together.
@@ -1415,6 +1451,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--bins", type=int, default=6, help="log-frequency bins (default 6, as in the IMBA paper)")
     bb.add_argument("--min-count", type=int, default=1, help="ignore concepts seen in fewer captions (default 1)")
     bb.add_argument("--include-attributes", action="store_true", help="also pair attribute concepts (colours)")
+    bb.add_argument("--allow-cooccurring", action="store_true",
+                    help="keep pairs seen together in a training caption (left out by default: inert pairs)")
     bb.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -1467,7 +1505,7 @@ def _run_stats(args: argparse.Namespace) -> int:
 
 def _run_benchmark(args: argparse.Namespace) -> int:
     prompts = build_benchmark(args.stats, args.per_bin, args.pairs, args.captions_per_pair, args.seed, args.bins,
-                              args.min_count, args.include_attributes)
+                              args.min_count, args.include_attributes, allow_cooccurring=args.allow_cooccurring)
     folder = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(folder, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:

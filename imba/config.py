@@ -47,6 +47,7 @@ class DataConfig:
     num_workers: int = 0
     shuffle_buffer: int = 1000
     caption_field: str = "caption"  # field of key.json used when a sample has no key.txt
+    min_size: int = 0  # skip images whose shorter side is below this (pixels; "image too small"); 0 = off
     synthetic_samples: int = 2000  # size of the synthetic shard set written when shards is None
     synthetic_dir: str | None = None  # where it is written; None = <train.output_dir>/synthetic_shards
 
@@ -73,6 +74,12 @@ class ObjectiveConfig:
     beta_schedule: str = "linear"  # ddpm: PixArt's schedule
     beta_start: float = 0.0001
     beta_end: float = 0.02
+
+    def kwargs(self) -> dict:
+        """Constructor arguments of the chosen objective (imba.objectives.build_objective(kind, **kwargs()))."""
+        if self.kind == "flow":
+            return dict(logit_mean=self.logit_mean, logit_std=self.logit_std, shift=self.shift)
+        return dict(beta_schedule=self.beta_schedule, beta_start=self.beta_start, beta_end=self.beta_end)
 
 
 @dataclass
@@ -119,6 +126,10 @@ class TrainConfig:
     sample_every: int = 100  # sample-grid interval in steps; 0 = only at the end
     resume: str = "latest"  # latest (newest checkpoint in output_dir, if any) | none (start fresh) | a step_* folder
     trackers: str = "tensorboard"  # accelerate trackers, comma-separated, or "none"; JSONL is always written
+    # IMBA monitor: IMBA distance and conditional loss per head/torso/tail bucket of the captions' concepts.
+    # A concepts.json from `python -m data.concepts stats`; auto = computed for the synthetic data, off for
+    # data.shards (counting a large set at start-up would stall the job); none = off
+    concept_stats: str = "auto"
 
 
 @dataclass
@@ -247,12 +258,23 @@ def _validate(cfg: Config) -> None:
     if cfg.sample.steps < 2:
         # PixArtAlphaPipeline reads a 1-step call as a distilled (DMD) model and indexes a tuple our schedulers lack
         raise ConfigError(f"config key 'sample.steps' must be >= 2, got {cfg.sample.steps}")
+    if cfg.data.min_size < 0:
+        raise ConfigError(f"config key 'data.min_size' must be >= 0 (0 = no minimum), got {cfg.data.min_size}")
     if not 0.0 <= cfg.loss.lam <= 1.0:
         raise ConfigError(f"config key 'loss.lam' must lie in [0, 1], got {cfg.loss.lam}")
 
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def flat_dict(cfg: Config) -> dict:
+    """Tracker-friendly flat view ({"section.key": scalar}); TensorBoard hparams take scalars only."""
+    flat = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
 
 
 def dump_config(cfg: Config) -> str:

@@ -158,6 +158,9 @@ class IMBALoss:
             "distance_mean": valid_d.mean(),
             # per-sample distance, for monitors that bucket samples by concept frequency (NaN where undefined)
             "distance_per_sample": d.mean(dim=1) if valid is None else d.mean(dim=1).masked_fill(~valid, float("nan")),
+            # per-sample conditional error (unweighted), NaN on rows that had no conditional prediction
+            "loss_cond_per_sample": (cond_err.detach().mean(dim=1) if drop is None
+                                     else cond_err.detach().mean(dim=1).masked_fill(drop, float("nan"))),
         }
         if drop is not None:
             stats["caption_dropout_rate"] = drop.float().mean()
@@ -168,7 +171,19 @@ class IMBALoss:
         return torch.rand((batch_size,), generator=generator, device=device) < (1.0 - self.lam)
 
 
-def plain_loss(pred: torch.Tensor, target: torch.Tensor):
-    """Plain diffusion MSE (the baseline; its caption dropout happens before the forward pass)."""
-    loss = F.mse_loss(_at_least_fp32(pred), _at_least_fp32(target))
-    return loss, {"loss": loss.detach()}
+def plain_loss(pred: torch.Tensor, target: torch.Tensor, sample_weights: torch.Tensor | None = None):
+    """Plain diffusion MSE (the baseline; its caption dropout happens before the forward pass).
+
+    `sample_weights` (B,) scale each sample's MSE: offline re-balancing, e.g. by inverse concept frequency (the
+    baseline IMBA is compared with). Weights are used as given, so normalise them to mean 1 over the data set to
+    keep the loss scale.
+    """
+    per_sample = (_at_least_fp32(pred) - _at_least_fp32(target)).pow(2).flatten(1).mean(dim=1)
+    if sample_weights is None:
+        loss = per_sample.mean()
+    else:
+        if sample_weights.shape != per_sample.shape:
+            raise ValueError(f"plain_loss: sample_weights must have shape {tuple(per_sample.shape)}, "
+                             f"got {tuple(sample_weights.shape)}")
+        loss = (sample_weights.to(per_sample.dtype) * per_sample).mean()
+    return loss, {"loss": loss.detach(), "loss_per_sample": per_sample.detach()}

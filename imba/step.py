@@ -42,14 +42,19 @@ class TrainingLoss:
 
     def __call__(self, predict: Predict, noised: NoisedBatch, cond: tuple[torch.Tensor, torch.Tensor],
                  null: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator | None = None,
-                 drop: torch.Tensor | None = None):
+                 drop: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None):
         """Loss and stats of one batch. `drop` (bool, (B,)) fixes which rows get the null caption (plain and
-        efficient only); by default it is drawn with probability 1 − λ per row."""
+        efficient only); by default it is drawn with probability 1 − λ per row. `sample_weights` (B,) weigh the
+        plain loss per sample (offline re-balancing baseline); IMBA computes its own weights and refuses them."""
+        if sample_weights is not None and self.kind != "plain":
+            raise ValueError("sample_weights are for loss.kind=plain (offline re-balancing); IMBA weighs tokens itself")
         if drop is None and (self.kind == "plain" or self.estimator == "efficient"):
             drop = self.imba.draw_drop_mask(noised.noisy.shape[0], generator=generator, device=cond[0].device)
         if self.kind == "plain":
             pred = predict(noised.noisy, noised.timesteps, *_null_where_dropped(drop, cond, null))
-            loss, stats = plain_loss(pred, noised.target)
+            loss, stats = plain_loss(pred, noised.target, sample_weights)
+            # rows given the null caption trained the unconditional model: not a conditional error
+            stats["loss_cond_per_sample"] = stats.pop("loss_per_sample").masked_fill(drop, float("nan"))
             stats["caption_dropout_rate"] = drop.float().mean()
             return loss, stats
         if self.estimator == "efficient":

@@ -67,6 +67,10 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
     assert all(r["loss"] > 0 for r in rows)
     if loss_kind == "imba":
         assert {"weight_mean", "weight_std", "loss_cond_weighted", "loss_uncond"} <= rows[0].keys()
+        # the IMBA monitor (concept statistics counted for the synthetic data): distance per concept bucket
+        assert {f"monitor/distance_{b}" for b in ("head", "torso", "tail")} <= rows[0].keys()
+        assert (out / "concepts" / "concepts.json").is_file()
+    assert {f"monitor/loss_cond_{b}" for b in ("head", "torso", "tail")} <= rows[0].keys()
     assert (out / "config.yaml").is_file() and (out / "samples" / "step_0000006.png").is_file()
     if "train.trackers=tensorboard" in extra:
         assert list((out / "logs").rglob("events.out.tfevents.*"))
