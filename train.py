@@ -11,7 +11,6 @@ log, checkpoint, sample grid, pre-emption) → export of a diffusers pipeline fo
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -26,19 +25,19 @@ from tqdm.auto import tqdm
 
 from data.concepts import CaptionBucketer, collect_stats, write_stats
 from data.indexed import load_or_build_index, make_indexed_loader
+from data.precompute import PrecomputedFeatures, find_manifest, make_precomputed_loader
 from data.shards import expand_urls, is_remote, make_image_text_loader, reader_stats
 from data.synthetic import write_synthetic_shards
-from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, resolve_resume, save_checkpoint,
-                              saved_world_size)
+from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, parameter_digest, resolve_resume,
+                              save_checkpoint, saved_world_size)
 from imba.config import Config, ConfigError, dump_config, flat_dict, load_config, save_config
 from imba.monitor import BucketMonitor, JsonlLogger, MetricWindow
 from imba.objectives import build_objective
 from imba.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.step import TrainingLoss
 from models.dit import apply_speed_settings, build_transformer, load_pretrained_transformer, predict
-from models.pipeline import build_pipeline, export_pipeline, image_grid, sample_images
-from models.text_encoder import TextConditioner, load_text_encoder
-from models.vae import encode_images, load_vae, vae_scale_factor
+from models.pipeline import build_pipeline, export_pipeline, save_ema_grid
+from models.encoders import FrozenEncoders
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,14 +59,6 @@ def make_accelerator(cfg: Config, out: Path) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else [],
     )
-
-
-def parameter_digest(model: torch.nn.Module) -> str:
-    """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical."""
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[str]:
@@ -96,9 +87,10 @@ def concept_bucketer(cfg: Config, accelerator: Accelerator, shards: list[str], o
     return CaptionBucketer.from_stats(path)
 
 
-def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batches_done: int):
-    """Indexed (exact resume: starts at the batch an uninterrupted run would draw next) or streaming reader."""
-    mode = cfg.data.mode
+def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batches_done: int, manifest):
+    """Indexed (exact resume: starts at the batch an uninterrupted run would draw next), over images or
+    precomputed features, or streaming reader."""
+    mode = "indexed" if manifest else cfg.data.mode
     if mode == "auto":
         mode = "streaming" if any(is_remote(url) for url in shards) else "indexed"
     common = dict(resolution=cfg.data.resolution, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
@@ -108,6 +100,10 @@ def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batche
         if accelerator.is_main_process:
             load_or_build_index(shards)  # scan the tars once, before every rank opens the cached index
         accelerator.wait_for_everyone()
+        if manifest:
+            return make_precomputed_loader(shards, cfg.data.batch_size, cfg.data.num_workers, cfg.train.seed,
+                                           accelerator.process_index, accelerator.num_processes, batches_done,
+                                           manifest=manifest)
         return make_indexed_loader(shards, start_batch=batches_done, **common)
     return make_image_text_loader(shards, resume_step=batches_done, shuffle_buffer=cfg.data.shuffle_buffer, **common)
 
@@ -122,46 +118,29 @@ def check_world_size_change(saved: int, accelerator: Accelerator) -> None:
                       "optimizer and EMA carry over; data continues after the same number of samples")
 
 
-def save_samples(cfg: Config, pipe_parts: dict, transformer, ema: EMAModel, path: Path) -> None:
-    """A grid of the fixed prompts, sampled from the EMA weights (the training weights are put back after)."""
-    ema.store(transformer.parameters())
-    ema.copy_to(transformer.parameters())
-    transformer.eval()
+def load_encoders(cfg: Config, device) -> FrozenEncoders:
+    """Frozen tokenizer + T5 and VAE; weights a user names but that cannot load: one line naming the key to fix."""
+    m = cfg.model
     try:
-        pipe = build_pipeline(transformer=transformer, **pipe_parts)
-        images = sample_images(pipe, cfg.sample.prompts, cfg.data.resolution, cfg.sample.guidance_scale,
-                               cfg.sample.steps, cfg.sample.seed, cfg.model.max_text_tokens)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        image_grid(images).save(path)
-    finally:
-        transformer.train()
-        ema.restore(transformer.parameters())
-
-
-def build_models(cfg: Config, device):
-    """Frozen tokenizer + T5 and VAE, and the DiT (a random preset, or pretrained weights) sized to match them."""
-    encoder_dtype = DTYPES[cfg.model.encoder_dtype]
-    try:  # weights a user names but that cannot be loaded: one line naming the key to fix
-        tokenizer, t5 = load_text_encoder(cfg.model.text_encoder, cfg.model.text_encoder_subfolder,
-                                          cfg.model.tokenizer_subfolder, dtype=encoder_dtype)
-        vae = load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=encoder_dtype)
+        return FrozenEncoders.load(m.text_encoder, m.vae, m.max_text_tokens, device, DTYPES[m.encoder_dtype],
+                                   m.text_encoder_subfolder, m.tokenizer_subfolder, m.vae_subfolder)
     except OSError as err:
         raise ConfigError(str(err)) from err
-    scale = vae_scale_factor(vae)
-    latent_size, rest = divmod(cfg.data.resolution, scale)
+
+
+def build_dit(cfg: Config, features) -> torch.nn.Module:
+    """The DiT (a random preset, or pretrained weights) sized for the latents and text states `features` give."""
+    latent_size, rest = divmod(cfg.data.resolution, features.vae_scale)
     if rest:
         raise ConfigError(f"data.resolution={cfg.data.resolution} must be a multiple of the VAE's "
-                          f"downsampling factor {scale}")
-    latent_channels, caption_channels = vae.config.latent_channels, t5.config.d_model
-    if cfg.model.pretrained:
-        try:
-            transformer = load_pretrained_transformer(cfg.model.pretrained, latent_size, caption_channels,
-                                                      latent_channels, cfg.model.pretrained_subfolder)
-        except (OSError, ValueError) as err:
-            raise ConfigError(str(err)) from err
-    else:
-        transformer = build_transformer(cfg.model.preset, latent_size, caption_channels, latent_channels)
-    return tokenizer, t5.to(device), vae.to(device), transformer
+                          f"downsampling factor {features.vae_scale}")
+    sizes = (latent_size, features.caption_channels, features.latent_channels)
+    if not cfg.model.pretrained:
+        return build_transformer(cfg.model.preset, *sizes)
+    try:
+        return load_pretrained_transformer(cfg.model.pretrained, *sizes, cfg.model.pretrained_subfolder)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from err
 
 
 def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
@@ -170,7 +149,8 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
     if not (checkpoint / "config.yaml").is_file() or not (checkpoint / EMA_STATE_FILE).is_file():
         raise FileNotFoundError(f"{checkpoint} is not a training checkpoint (no config.yaml or EMA state)")
     cfg = load_config(["--config", str(checkpoint / "config.yaml")])
-    tokenizer, t5, vae, transformer = build_models(cfg, "cpu")
+    encoders = load_encoders(cfg, "cpu")
+    transformer = build_dit(cfg, encoders)
     ema = EMAModel(transformer.parameters(), model_cls=type(transformer), model_config=transformer.config)
     ema.load_state_dict(torch.load(checkpoint / EMA_STATE_FILE, weights_only=False, map_location="cpu"))
     if any(s.shape != p.shape for s, p in zip(ema.shadow_params, transformer.parameters())):
@@ -179,7 +159,7 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
     ema.copy_to(transformer.parameters())
     export_dir = Path(export_dir or checkpoint.parent.parent / f"export_{checkpoint.name}")
     scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
-    export_pipeline(build_pipeline(transformer, vae, t5, tokenizer, scheduler), export_dir)
+    export_pipeline(build_pipeline(transformer, scheduler=scheduler, **encoders.pipeline_parts()), export_dir)
     print(f"exported the EMA weights of {checkpoint} to {export_dir}")
     return export_dir
 
@@ -203,9 +183,16 @@ def main(argv: list[str]) -> int:
         save_config(cfg, out / "config.yaml")
 
     # ---- frozen encoders, the DiT, EMA -------------------------------------------------------------------------
-    tokenizer, t5, vae, transformer = build_models(cfg, device)
-    text = TextConditioner(tokenizer, t5, cfg.model.max_text_tokens)
-    scale = vae_scale_factor(vae)
+    m = cfg.model  # precomputed shards (python -m data.precompute): neither the VAE nor T5 is loaded to train
+    try:
+        manifest = find_manifest(cfg.data.shards, resolution=cfg.data.resolution, max_text_tokens=m.max_text_tokens,
+                                 vae=m.vae, vae_subfolder=m.vae_subfolder, text_encoder=m.text_encoder,
+                                 text_encoder_subfolder=m.text_encoder_subfolder,
+                                 tokenizer_subfolder=m.tokenizer_subfolder)
+    except ValueError as err:  # precomputed with other encoders, resolution or text length
+        raise ConfigError(str(err)) from err
+    features = PrecomputedFeatures(manifest, device) if manifest else load_encoders(cfg, device)
+    transformer = build_dit(cfg, features)
     ema = EMAModel(transformer.parameters(), decay=cfg.optim.ema_decay, model_cls=type(transformer),
                    model_config=transformer.config)
     objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
@@ -246,13 +233,18 @@ def main(argv: list[str]) -> int:
 
     # ---- data ------------------------------------------------------------------------------------------------
     shards = training_shards(cfg, accelerator, out)
-    loader = make_loader(cfg, accelerator, shards, batches_done)
+    loader = make_loader(cfg, accelerator, shards, batches_done, manifest)
     batches = iter(loader)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
 
     # ---- loop ------------------------------------------------------------------------------------------------
     model = accelerator.unwrap_model(transformer)
-    pipe_parts = dict(vae=vae, text_encoder=t5, tokenizer=tokenizer, scheduler=objective.sampling_scheduler())
+    encoders = None if manifest else features  # with precomputed data: loaded by the main process to sample
+
+    def pipe_parts() -> dict:
+        nonlocal encoders
+        encoders = encoders or load_encoders(cfg, device)
+        return dict(scheduler=objective.sampling_scheduler(), **encoders.pipeline_parts())
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg))
     metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
     window = MetricWindow()
@@ -267,16 +259,16 @@ def main(argv: list[str]) -> int:
     def predict_fn(noisy, timesteps, embeds, mask):
         # No-grad passes (the efficient estimator's weights) bypass the DDP wrapper: its forward broadcasts buffers,
         # a collective, and ranks may differ in whether they run that pass at all.
-        return predict(transformer if torch.is_grad_enabled() else model, noisy, timesteps, embeds, mask, scale)
+        return predict(transformer if torch.is_grad_enabled() else model, noisy, timesteps, embeds, mask,
+                       features.vae_scale)
 
     while state.step < cfg.train.max_steps:
         batch = next(batches)
         with accelerator.accumulate(transformer):
-            latents = encode_images(vae, batch["pixels"].to(device))
-            cond = text.encode(batch["captions"])
+            latents, cond = features.features(batch, device)
             noised = objective.noise(latents)
             with accelerator.autocast():
-                loss, stats = loss_fn(predict_fn, noised, cond, text.null_like(latents.shape[0]))
+                loss, stats = loss_fn(predict_fn, noised, cond, features.null_like(latents.shape[0]))
             accelerator.backward(loss)
             if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
                 stats["grad_norm"] = accelerator.clip_grad_norm_(transformer.parameters(), cfg.optim.grad_clip)
@@ -318,7 +310,9 @@ def main(argv: list[str]) -> int:
             save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
             window_start, window_start_step = time.perf_counter(), step  # keep I/O out of images_per_s
         if is_main and (last or (cfg.train.sample_every and step % cfg.train.sample_every == 0)):
-            save_samples(cfg, pipe_parts, model, ema, out / "samples" / f"step_{step:07d}.png")
+            sc = cfg.sample  # a grid of the fixed prompts from the EMA weights
+            save_ema_grid(model, ema, pipe_parts(), out / "samples" / f"step_{step:07d}.png", sc.prompts,
+                          cfg.data.resolution, sc.guidance_scale, sc.steps, sc.seed, cfg.model.max_text_tokens)
             window_start, window_start_step = time.perf_counter(), step
     progress.close()
 
@@ -330,7 +324,7 @@ def main(argv: list[str]) -> int:
     if is_main:
         ema_model = type(model).from_config(model.config)  # a clean instance: no compile/checkpointing state
         ema.copy_to(ema_model.parameters())
-        export_pipeline(build_pipeline(transformer=ema_model, **pipe_parts), export_dir)
+        export_pipeline(build_pipeline(transformer=ema_model, **pipe_parts()), export_dir)
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
               f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
               f"(PixArtAlphaPipeline.from_pretrained('{export_dir}'))")

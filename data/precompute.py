@@ -67,6 +67,7 @@ from .shards import (
     _ReadShards,
     check_loader_args,
     expand_urls,
+    is_remote,
 )
 
 __all__ = [
@@ -79,10 +80,12 @@ __all__ = [
     "write_manifest",
     "load_manifest",
     "check_manifest",
+    "find_manifest",
     "load_null_text",
     "sample_latents",
     "text_to_numpy",
     "text_from_numpy",
+    "PrecomputedFeatures",
     "PrecomputedShards",
     "PrecomputedLoader",
     "make_precomputed_loader",
@@ -657,6 +660,19 @@ def load_manifest(where: str | os.PathLike | Sequence[str]) -> dict[str, Any]:
     return manifest
 
 
+def find_manifest(shards: str | Sequence[str], **expected: Any) -> dict[str, Any] | None:
+    """The manifest when `shards` (a training config's data.shards) are precompute outputs, checked against
+    `expected` (see `check_manifest`); None for ordinary image shards, remote ones and an empty spec."""
+    if not shards or is_remote(expand_urls(shards)[0]):
+        return None
+    try:
+        manifest = load_manifest(shards)
+    except FileNotFoundError:
+        return None
+    check_manifest(manifest, **expected)
+    return manifest
+
+
 def check_manifest(manifest: dict[str, Any], **expected: Any) -> None:
     """Raise ValueError (one line, every mismatch) unless manifest[k] == v for each keyword.
 
@@ -711,6 +727,27 @@ def sample_latents(
 # --------------------------------------------------------------------------------------------------------------
 # Reading: dataset and loader over precomputed shards (the indexed reader's machinery)
 # --------------------------------------------------------------------------------------------------------------
+
+
+class PrecomputedFeatures:
+    """Training inputs from precomputed shards, with the interface of `models.encoders.FrozenEncoders`
+    (latent_channels, caption_channels, vae_scale, features(batch, device), null_like(n)): no VAE or T5 loaded."""
+
+    def __init__(self, manifest: dict[str, Any], device: torch.device | str = "cpu"):
+        self.manifest = manifest
+        self.latent_channels = manifest["latent_channels"]
+        self.caption_channels = manifest["text_hidden_size"]
+        self.vae_scale = manifest["vae_downsample"]
+        embeds, mask = load_null_text(manifest)
+        self.null_embeds, self.null_mask = embeds.to(device), mask.to(device)
+
+    def features(self, batch: dict[str, Any], device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        latents = sample_latents(batch["latent_mean"].to(device), batch["latent_logvar"].to(device),
+                                 self.manifest["vae_scaling_factor"])
+        return latents, (batch["text_embeds"].to(device), batch["text_mask"].to(device))
+
+    def null_like(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.null_embeds.expand(batch_size, -1, -1), self.null_mask.expand(batch_size, -1)
 
 
 @dataclasses.dataclass

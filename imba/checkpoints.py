@@ -11,6 +11,7 @@ Writing order, so that a crash or pre-emption at any moment leaves only complete
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -102,3 +103,11 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, 
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
