@@ -35,3 +35,49 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
     assert table[0].startswith("| mode | batch | step ms")
     assert [row.split("|")[1].strip() for row in table[2:]] == ["plain", "literal", "efficient"]
     assert "| mode | batch |" in results.read_text()
+
+
+@pytest.mark.slow
+def test_loader_throughput_smoke_mode_reports_consistent_rates_and_ratios(tmp_path):
+    import json
+    import statistics
+
+    results = tmp_path / "results.json"
+    out = run("loader_throughput.py", "--smoke", "--cache-dir", str(tmp_path / "cache"), "--out", str(results))
+    r = json.loads(results.read_text())
+    assert r["benchmark"] == "loader_throughput" and r["warm_cache"] is True
+    assert {"settings", "data", "environment", "results", "ratios"} <= set(r)
+    settings = r["settings"]
+    assert settings["smoke"] is True and settings["num_workers"] == [0, 1]
+    for kind in ("precomputed_shards", "image_shards"):  # 32 synthetic samples, none bad, all read raw and indexed
+        assert r["data"][kind]["samples_in_tars"] == r["data"][kind]["indexed_samples"] == 32
+
+    rows = {row["name"]: row for row in r["results"]}
+    assert list(rows) == ["raw_tar_precomputed", "precomputed_loader_w0", "precomputed_loader_w1",
+                          "raw_tar_image", "image_loader_w0", "image_loader_w1"]
+    for row in rows.values():
+        assert len(row["samples_per_s"]) == settings["repeats"] and min(row["samples_per_s"]) > 0
+        assert row["median_samples_per_s"] == pytest.approx(statistics.median(row["samples_per_s"]), rel=1e-12)
+        raw = rows[f"raw_tar_{row['data']}"]
+        assert row["ratio_to_raw"] == pytest.approx(row["median_samples_per_s"] / raw["median_samples_per_s"],
+                                                    rel=1e-12)
+        if row["kind"] == "raw":
+            assert row["samples_per_run"] == 32 and row["workers"] is None
+        else:  # whole batches only
+            assert row["samples_per_run"] == r["data"][f"{row['data']}_shards"]["timed_samples_per_loader_run"]
+            assert row["samples_per_run"] % settings["batch_size"] == 0
+    for w in ("0", "1"):
+        pre, img = rows[f"precomputed_loader_w{w}"], rows[f"image_loader_w{w}"]
+        assert r["ratios"]["precomputed_vs_raw"][w] == pre["ratio_to_raw"]
+        assert r["ratios"]["image_vs_raw"][w] == img["ratio_to_raw"]
+        assert r["ratios"]["precomputed_vs_image"][w] == pre["speedup_over_image_loader"] == pytest.approx(
+            pre["median_samples_per_s"] / img["median_samples_per_s"], rel=1e-12)
+
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| reader | data | workers |"))
+    table = lines[header + 2 : header + 8]
+    assert [line.split("|")[1].strip() for line in table] == [
+        "raw tar read", "precomputed loader", "precomputed loader",
+        "raw tar read", "image loader (decode + resize)", "image loader (decode + resize)"]
+    assert all(line.split("|")[7].strip() == "1.000×" for line in (table[0], table[3]))
+    assert "WARM page cache" in out
