@@ -3,7 +3,9 @@
 Never imports imba or train; only the precompute command imports models (it runs the frozen VAE and T5).
 """
 
+from .buckets import assign_buckets, bucket_sizes, nearest_bucket, resize_to_bucket
 from .indexed import (
+    BucketBatchSampler,
     IndexedBatchSampler,
     IndexedLoader,
     IndexedShards,
@@ -24,6 +26,11 @@ from .shards import (
 from .synthetic import COLOURS, SAMPLE_PROMPTS, SHAPES, make_sample, write_synthetic_shards
 
 __all__ = [
+    "assign_buckets",
+    "bucket_sizes",
+    "nearest_bucket",
+    "resize_to_bucket",
+    "BucketBatchSampler",
     "IndexedBatchSampler",
     "IndexedLoader",
     "IndexedShards",

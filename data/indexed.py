@@ -6,10 +6,12 @@ function of (seed, epoch, position in the epoch), computed arithmetically, so a 
 `start_batch = step * grad_accum` continues exactly where the checkpointed run stopped, without decoding (or even
 reading) the skipped samples.
 
-Index. Each shard is scanned once (tar headers only; data blocks are seeked over): a sample is a run of consecutive
-regular members with the same key (`key.ext`, key = the name up to the first dot of its basename, as webdataset
-groups them), and its byte span [first header, end of last member's data) is recorded. The spans of all samples
-(int64, shape (N, 2), in shard order) go into `imba-index-<hash>-<state>.npy`, memory-mapped by every reader;
+Index. Each shard is scanned once (tar headers, plus the header of each image, read by PIL without decoding; other
+data blocks are seeked over): a sample is a run of consecutive regular members with the same key (`key.ext`, key =
+the name up to the first dot of its basename, as webdataset groups them), and its byte span [first header, end of
+last member's data) and image width and height (0, 0 when unreadable or absent: the image decoder, not a json
+field, decides what the reader will see) are recorded. The table of all samples (int64, shape (N, 4): start, end,
+width, height, in shard order) goes into `imba-index-<hash>-<state>.npy`, memory-mapped by every reader;
 `imba-index-<hash>.json` lists the shards in the wids shard-list shape
 `{"shardlist": [{"url", "nsamples", "filesize", "mtime_ns"}, ...]}`. Both live next to the shards (or in
 `index_dir`; or under ~/.cache/imba-dit/indexed when the shard folder is read-only). On the next run a shard whose
@@ -31,6 +33,16 @@ rank r takes the r-th slice of batch_size of each. Every rank therefore has exac
 Batches are index lists consumed by a map-style DataLoader, which returns them in sampler order whatever
 `num_workers` is, and each batch is decoded by one worker: workers are disjoint and the order equals
 `num_workers=0`.
+
+Aspect-ratio buckets (`bucketing=True`, `BucketBatchSampler`, tables in `data.buckets`): each sample's bucket comes
+from the image size in the index (nothing is decoded to assign it); every batch holds samples of one bucket, cut to
+that bucket's (height, width). Per epoch each bucket's samples are permuted (keyed by seed, epoch, bucket) and cut
+into full batches (each bucket's last `count % batch_size` samples of that permutation are dropped, a different
+set each epoch); all buckets' batches are permuted together (keyed by seed, epoch), and consecutive groups of
+world_size batches form the global steps, rank r taking the r-th: every rank has the same number of batches per
+epoch, `(sum over buckets of count // batch_size) // world_size` (the last few batches of an epoch that do not fill
+a step are dropped too), and ranks may be in different buckets at one step (DDP needs equal shapes only within a
+rank). Batch t is computed from (seed, epoch, t) in O(batch_size), so `start_batch` resume is exact here too.
 
 Bad samples (unreadable span, and the reasons of `data.shards`: bad image, zero-byte member, image too small,
 missing or empty caption, non-UTF-8 text, bad json) never shift the order: when index i is bad, the sample
@@ -56,14 +68,18 @@ import logging
 import os
 import re
 import tarfile
+import warnings
 from stat import S_ISREG
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 
+from .buckets import assign_buckets, bucket_sizes
 from .shards import (
     CORRUPT_TAR,
+    IMAGE_EXTENSIONS,
     REMOTE_PREFIXES,
     UNREADABLE_SHARD,
     ReaderStats,
@@ -76,6 +92,8 @@ from .shards import (
 
 __all__ = [
     "INDEX_VERSION",
+    "BucketBatch",
+    "BucketBatchSampler",
     "ShardIndex",
     "load_or_build_index",
     "IndexedShards",
@@ -88,7 +106,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: image width and height per sample (aspect-ratio buckets); 1: byte spans only
 INDEX_KIND = "imba-dit indexed tar shards"
 MAX_SUBSTITUTES = 100  # a bad sample is replaced by the next good one within this many indices, else one error
 MAX_OPEN_SHARDS = 64  # per process; file descriptors are reused across samples of the same shard
@@ -123,10 +141,27 @@ def _compression(path: str) -> str | None:
     return None
 
 
-def _scan_tar(path: str) -> tuple[np.ndarray, str | None]:
-    """Byte spans (n, 2) of the samples of one tar shard, and an error note if it could not be read to the end.
+def _image_size(tf: tarfile.TarFile, info: tarfile.TarInfo) -> tuple[int, int]:
+    """(width, height) from an image member's header (PIL reads the header only); (0, 0) if it cannot be read."""
+    if info.size == 0:
+        return 0, 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. DecompressionBombWarning: the reader decides, not the index
+            with Image.open(tf.extractfile(info)) as img:
+                width, height = img.size
+        return int(width), int(height)
+    except Exception:  # undecodable: the reader will skip (and count) it
+        return 0, 0
 
-    A truncated or corrupt shard keeps the samples read before the damage (their spans lie inside the file).
+
+def _scan_tar(path: str) -> tuple[np.ndarray, str | None]:
+    """Table (n, 4) of the samples of one tar shard — byte start, byte end, image width, image height — and an
+    error note if it could not be read to the end.
+
+    The size is that of the image member the reader decodes (the first of IMAGE_EXTENSIONS the sample has);
+    (0, 0) when it has none or its header cannot be read. A truncated or corrupt shard keeps the samples read
+    before the damage (their spans lie inside the file).
     """
     compression = _compression(path)
     if compression is not None:
@@ -138,6 +173,7 @@ def _scan_tar(path: str) -> tuple[np.ndarray, str | None]:
     spans: list[list[int]] = []
     error = None
     current = None
+    image_rank = len(IMAGE_EXTENSIONS)  # of the image member whose size the current sample holds
     try:
         with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tf:
             while True:
@@ -149,17 +185,21 @@ def _scan_tar(path: str) -> tuple[np.ndarray, str | None]:
                     continue
                 end = info.offset_data + info.size  # padding excluded (a file may end without it)
                 if key_ext[0] != current:
-                    spans.append([info.offset, end])
+                    spans.append([info.offset, end, 0, 0])
                     current = key_ext[0]
+                    image_rank = len(IMAGE_EXTENSIONS)
                 else:
                     spans[-1][1] = end
+                if key_ext[1] in IMAGE_EXTENSIONS and IMAGE_EXTENSIONS.index(key_ext[1]) < image_rank:
+                    image_rank = IMAGE_EXTENSIONS.index(key_ext[1])
+                    spans[-1][2:] = _image_size(tf, info)
                 tf.members.clear()  # headers only; keep memory flat for big shards
     except (tarfile.TarError, EOFError, OSError) as exn:
         error = f"{type(exn).__name__}: {exn}"
     kept = [s for s in spans if s[1] <= size]
     if len(kept) < len(spans) and error is None:
         error = "truncated"
-    return np.asarray(kept, dtype=np.int64).reshape(-1, 2), error
+    return np.asarray(kept, dtype=np.int64).reshape(-1, 4), error
 
 
 def _parse_sample(blob: bytes) -> dict[str, Any]:
@@ -221,9 +261,11 @@ def _atomic_write(path: str, write) -> None:
 
 
 class ShardIndex:
-    """Sample spans of a list of local tar shards; global index i runs through the shards in order.
+    """Sample spans and image sizes of a list of local tar shards; global index i runs through the shards in order.
 
-    Picklable; the spans are memory-mapped lazily in each process when the index lives in a file.
+    `spans_path` / `spans` hold the (N, 4) table (start, end, width, height); the `spans` property is its first
+    two columns, `sizes` its last two. Picklable; the table is memory-mapped lazily in each process when the index
+    lives in a file.
     """
 
     def __init__(
@@ -247,15 +289,26 @@ class ShardIndex:
         return int(self.starts[-1])
 
     @property
-    def spans(self) -> np.ndarray:
+    def table(self) -> np.ndarray:
+        """(N, 4) int64: byte start, byte end, image width, image height (0, 0: unknown) of every sample."""
         if self._spans is None:
             self._spans = np.load(self.spans_path, mmap_mode="r")
         return self._spans
 
+    @property
+    def spans(self) -> np.ndarray:
+        """(N, 2) byte spans [start, end) of the samples in their shards."""
+        return self.table[:, :2]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """(N, 2) image (width, height) of the samples, from the image headers; (0, 0) where unknown."""
+        return self.table[:, 2:4]
+
     def locate(self, i: int) -> tuple[int, int, int]:
         """(shard number, byte start, byte end) of sample i."""
         shard = int(np.searchsorted(self.starts, i, side="right")) - 1
-        start, end = self.spans[i]
+        start, end = self.table[i, :2]
         return shard, int(start), int(end)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -275,7 +328,7 @@ def _read_cached(json_path: str) -> tuple[dict[str, dict], str | None, np.ndarra
         spans_path = os.path.join(os.path.dirname(json_path), meta["spans"])
         spans = np.load(spans_path, mmap_mode="r")
         shardlist = meta["shardlist"]
-        if spans.ndim != 2 or spans.shape[0] != sum(s["nsamples"] for s in shardlist):
+        if spans.ndim != 2 or spans.shape != (sum(s["nsamples"] for s in shardlist), 4):
             return {}, None, None
     except (OSError, ValueError, KeyError, TypeError):
         return {}, None, None
@@ -352,7 +405,7 @@ def load_or_build_index(
                                 note[:200], len(spans))
         except OSError as exn:  # cannot stat or open: no samples now, rescanned next time (size/mtime never match)
             stat = {"filesize": -1, "mtime_ns": -1}
-            spans, note = np.zeros((0, 2), np.int64), f"{UNREADABLE_SHARD}: {type(exn).__name__}: {exn}"
+            spans, note = np.zeros((0, 4), np.int64), f"{UNREADABLE_SHARD}: {type(exn).__name__}: {exn}"
             if path not in rescanned:
                 rescanned.append(path)
             log.warning("skipping shard %s: %s", path, note[:300])
@@ -372,7 +425,7 @@ def load_or_build_index(
         json_path = os.path.join(os.path.dirname(old_spans), f"{name}.json")
         return ShardIndex(shardlist, spans_path=old_spans, spans=old_map, path=json_path)
 
-    spans = np.concatenate(parts).astype(np.int64).reshape(-1, 2)
+    spans = np.concatenate(parts).astype(np.int64).reshape(-1, 4)
     for folder in folders:
         try:
             json_path, spans_path = _write_index(folder, name, shardlist, spans, old_spans)
@@ -391,7 +444,8 @@ def load_or_build_index(
 
 
 class IndexedShards(torch.utils.data.Dataset):
-    """`ds[i]` -> {"pixels": (3, R, R) float32 in [-1, 1], "caption": str, "key": str} for 0 <= i < len(ds).
+    """`ds[i]` -> {"pixels": (3, R, R) float32 in [-1, 1], "caption": str, "key": str} for 0 <= i < len(ds);
+    `ds.get(i, (h, w))`: the same with pixels (3, h, w) (cover-resize + centre crop, for aspect-ratio buckets).
 
     A bad sample i is replaced by the first good one among i+1, i+2, ... (mod len), counted in `stats.bad` by
     reason; `raw(i)` gives the undecoded members. `stats` belongs to this process (each DataLoader worker has
@@ -422,6 +476,7 @@ class IndexedShards(torch.utils.data.Dataset):
                 self.stats.count(reason, f"shard {entry['url']}: {reason}, {entry['nsamples']} samples used "
                                          f"({note[:200]})", shard=True)
         self._decode = _DecodeSamples(resolution, caption_field, self.stats, min_size)
+        self._sized_decoders: dict[tuple[int, int], _DecodeSamples] = {}  # (h, w) -> decoder, sharing self.stats
         self._known_bad: set[int] = set()
         self._bad_shards: set[int] = set()  # could not be opened in this process: all their samples are skipped
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -466,7 +521,17 @@ class IndexedShards(torch.utils.data.Dataset):
         sample["__index__"] = i
         return sample
 
-    def _try(self, i: int) -> dict[str, Any] | None:
+    def _decoder(self, size: tuple[int, int] | None) -> _DecodeSamples:
+        if size is None:
+            return self._decode
+        size = (int(size[0]), int(size[1]))
+        if size not in self._sized_decoders:
+            self._sized_decoders[size] = _DecodeSamples(
+                self.resolution, self.caption_field, self.stats, self.min_size, size=size
+            )
+        return self._sized_decoders[size]
+
+    def _try(self, i: int, size: tuple[int, int] | None = None) -> dict[str, Any] | None:
         shard = self.index.locate(i)[0]
         url = self.index.urls[shard]
         try:
@@ -483,10 +548,14 @@ class IndexedShards(torch.utils.data.Dataset):
             self.stats.count(reason, f"skipping bad sample {url}#{i}: {reason} {exn!r}")
             self.stats.failed(f"{reason} at {url}#{i}")
             return None
-        decoded = list(self._decode([raw]))  # counts and logs the bad ones with the streaming reader's reasons
+        decoded = list(self._decoder(size)([raw]))  # counts and logs the bad ones with the streaming reader's reasons
         return decoded[0] if decoded else None
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.get(i)
+
+    def get(self, i: int, size: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Sample i (or its substitute) with pixels of `size` = (height, width), default the square resolution."""
         n = len(self)
         i = int(i)
         if not 0 <= i < n:
@@ -502,7 +571,7 @@ class IndexedShards(torch.utils.data.Dataset):
             visited += 1
             if k not in self._known_bad:  # counted and logged when first met: reported once per process
                 tried += 1
-                sample = self._try(k)
+                sample = self._try(k, size)
                 if sample is not None:
                     return sample
                 if shard not in self._bad_shards:
@@ -658,6 +727,102 @@ class IndexedBatchSampler:
             t += 1
 
 
+class BucketBatch(list):
+    """A batch of sample indices from one aspect-ratio bucket; `size` = the bucket's (height, width) in pixels."""
+
+    def __init__(self, indices: Sequence[int], size: tuple[int, int]):
+        super().__init__(indices)
+        self.size = (int(size[0]), int(size[1]))
+
+    def __reduce__(self):
+        return BucketBatch, (list(self), self.size)
+
+    def __repr__(self) -> str:
+        return f"BucketBatch({list(self)!r}, size={self.size})"
+
+
+class BucketBatchSampler:
+    """Infinite stream of this rank's single-bucket batches (`BucketBatch`), starting at batch `start_batch`.
+
+    `bucket_ids[i]` is sample i's bucket, an index into `buckets` ((height, width) pairs). Epoch e: bucket b's
+    samples (ascending sample index) are permuted by a Feistel permutation keyed (seed, e, b) and cut into
+    `count_b // batch_size` full batches (the rest of that permutation is dropped for the epoch); all buckets'
+    batches, numbered bucket after bucket, are permuted keyed (seed, e); global step k of the epoch is batches
+    [k * world_size, (k + 1) * world_size) of that order and rank r takes the r-th. Every rank has
+    `batches_per_epoch = (sum_b count_b // batch_size) // world_size` batches per epoch. Batch t is a pure function
+    of (seed, t, rank, world_size, bucket_ids), computed in O(batch_size).
+    """
+
+    def __init__(
+        self,
+        bucket_ids: np.ndarray | Sequence[int],
+        buckets: Sequence[tuple[int, int]],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        start_batch: int = 0,
+    ):
+        if batch_size < 1 or world_size < 1 or start_batch < 0:
+            raise ValueError(
+                f"need batch_size >= 1, world_size >= 1, start_batch >= 0 (got {batch_size}, {world_size}, "
+                f"{start_batch})"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        ids = np.asarray(bucket_ids, dtype=np.int64).reshape(-1)
+        self.buckets = [(int(h), int(w)) for h, w in buckets]
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self.buckets)):
+            raise ValueError(f"bucket ids must lie in range({len(self.buckets)})")
+        self.num_samples = int(ids.size)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.start_batch = start_batch
+        index_dtype = np.int32 if self.num_samples < 2**31 else np.int64
+        self.members = np.argsort(ids, kind="stable").astype(index_dtype)  # sample indices grouped by bucket
+        self.counts = np.bincount(ids, minlength=len(self.buckets)).astype(np.int64)  # samples per bucket
+        self.member_starts = np.concatenate([[0], np.cumsum(self.counts)])
+        self.bucket_batches = self.counts // batch_size  # full batches per bucket and epoch
+        self.batch_starts = np.concatenate([[0], np.cumsum(self.bucket_batches)])
+        self.total_batches = int(self.batch_starts[-1])  # all ranks together, per epoch
+        self.batches_per_epoch = self.total_batches // world_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"aspect-ratio buckets give {self.total_batches} full batches of {batch_size} from {self.num_samples} "
+                f"samples (per bucket: {self.describe()}), fewer than one per rank (world_size {world_size}); use "
+                f"more data or a smaller batch"
+            )
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples all ranks together draw per epoch (the rest are dropped: per-bucket and per-step remainders)."""
+        return self.batches_per_epoch * self.world_size * self.batch_size
+
+    def describe(self) -> str:
+        """The non-empty buckets as `HxW: count`."""
+        return ", ".join(f"{h}x{w}: {int(c)}" for (h, w), c in zip(self.buckets, self.counts) if c) or "none"
+
+    def batch_indices(self, t: int) -> BucketBatch:
+        """Sample indices (and bucket size) of this rank's batch t (counted from the start of training)."""
+        epoch, k = divmod(int(t), self.batches_per_epoch)
+        slot = int(feistel_permute([k * self.world_size + self.rank], self.total_batches, "bucket-batches",
+                                   self.seed, epoch)[0])
+        b = int(np.searchsorted(self.batch_starts, slot, side="right")) - 1
+        j = slot - int(self.batch_starts[b])
+        pos = np.arange(j * self.batch_size, (j + 1) * self.batch_size)
+        pos = feistel_permute(pos, int(self.counts[b]), "bucket-samples", self.seed, epoch, b)
+        return BucketBatch(self.members[self.member_starts[b] + pos].tolist(), self.buckets[b])
+
+    def __iter__(self) -> Iterator[BucketBatch]:
+        t = self.start_batch
+        while True:
+            yield self.batch_indices(t)
+            t += 1
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Loader
 # --------------------------------------------------------------------------------------------------------------
@@ -675,7 +840,8 @@ class _BatchFetch(torch.utils.data.Dataset):
     def __getitem__(self, indices: list[int]) -> dict[str, Any]:
         stats = self.dataset.stats
         before, before_shards = dict(stats.bad), dict(stats.shards_bad)
-        batch = _collate([self.dataset[i] for i in indices])
+        size = getattr(indices, "size", None)  # a BucketBatch: decode to its bucket's (height, width)
+        batch = _collate([self.dataset.get(i, size) for i in indices])
         batch["_bad"] = {r: n - before.get(r, 0) for r, n in stats.bad.items() if n != before.get(r, 0)}
         batch["_shards_bad"] = {
             r: n - before_shards.get(r, 0) for r, n in stats.shards_bad.items() if n != before_shards.get(r, 0)
@@ -690,15 +856,19 @@ def _identity(batch: Any) -> Any:
 class IndexedLoader:
     """Iterable of {"pixels": (B, 3, R, R), "captions": [str], "keys": [str]}; each `iter()` starts at `start_batch`.
 
-    `stats` (main process) sums good and bad samples over all workers; `batches_per_epoch` is per rank;
-    `sampler.batch_indices(t)` tells which samples batch t holds.
+    With a `BucketBatchSampler`, pixels are (B, 3, h, w) for the batch's bucket (h, w). `stats` (main process)
+    sums good and bad samples over all workers; `batches_per_epoch` is per rank; `sampler.batch_indices(t)` tells
+    which samples batch t holds.
     """
 
-    def __init__(self, dataset: IndexedShards, sampler: IndexedBatchSampler, num_workers: int = 0):
+    def __init__(
+        self, dataset: IndexedShards, sampler: IndexedBatchSampler | BucketBatchSampler, num_workers: int = 0
+    ):
         self.dataset = dataset
         self.sampler = sampler
         self.batches_per_epoch = sampler.batches_per_epoch
         self.start_batch = sampler.start_batch
+        self.buckets = getattr(sampler, "buckets", None)  # the (height, width) table when bucketing, else None
         # problems found when indexing (counted by the dataset at construction) + what the workers report
         self.stats = ReaderStats(where=dataset.stats.where, shards_bad=dict(dataset.stats.shards_bad))
         self._loader = torch.utils.data.DataLoader(
@@ -736,6 +906,9 @@ def make_indexed_loader(
     index_dir: str | os.PathLike | None = None,
     shard_window: int = 0,
     min_size: int = 0,
+    bucketing: bool = False,
+    bucket_divisor: int = 16,
+    max_aspect_ratio: float = 4.0,
 ) -> IndexedLoader:
     """Infinite, exactly resumable loader over local tar shards; same batches as `make_image_text_loader`.
 
@@ -743,9 +916,35 @@ def make_indexed_loader(
     the one an uninterrupted run would draw next. Every rank gets `loader.batches_per_epoch` batches per epoch.
     `shard_window` > 0 reads shards in windows of that many for locality (0: uniform order over all samples).
     `min_size` > 0 skips (substitutes) images whose shorter side is below it, in pixels.
+
+    `bucketing=True`: aspect-ratio buckets around `resolution`² pixels (`data.buckets.bucket_sizes(resolution,
+    bucket_divisor, max_aspect_ratio)`; the divisor is VAE downsampling x DiT patch size); each batch comes from
+    one bucket, pixels (B, 3, h, w) cover-resized and centre-cropped to it (`BucketBatchSampler` for the order;
+    `loader.buckets` is the table). Not combined with `shard_window`.
     """
     check_loader_args(resolution, batch_size, num_workers, min_size)
+    if bucketing and shard_window:
+        raise ValueError("aspect-ratio bucketing reads samples in a uniform order: set shard_window=0")
+    buckets = bucket_sizes(resolution, bucket_divisor, max_aspect_ratio) if bucketing else None  # checks first
     dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir, min_size=min_size)
+    if buckets is not None:
+        sizes = dataset.index.sizes
+        sampler = BucketBatchSampler(
+            assign_buckets(sizes[:, 0], sizes[:, 1], buckets),
+            buckets,
+            batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            start_batch=start_batch,
+        )
+        unknown = int(np.count_nonzero((sizes <= 0).any(axis=1)))
+        log.info(
+            "aspect-ratio buckets around %dx%d: %s; %d of %d samples per epoch used (per-bucket remainders "
+            "dropped)%s", resolution, resolution, sampler.describe(), sampler.samples_per_epoch, len(dataset),
+            f"; {unknown} samples of unknown size put in the square bucket" if unknown else "",
+        )
+        return IndexedLoader(dataset, sampler, num_workers=num_workers)
     sampler = IndexedBatchSampler(
         len(dataset),
         batch_size,

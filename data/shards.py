@@ -47,6 +47,7 @@ __all__ = [
     "REMOTE_PREFIXES",
     "expand_urls",
     "resize_center_crop",
+    "resize_cover_crop",
     "to_rgb",
     "image_to_tensor",
     "sample_caption",
@@ -157,18 +158,24 @@ def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255))
 
 def resize_center_crop(img: Image.Image, size: int) -> Image.Image:
     """Resize so the shorter side is `size` (bicubic, antialiased when shrinking), then crop the centre square."""
+    return resize_cover_crop(img, size, size)
+
+
+def resize_cover_crop(img: Image.Image, width: int, height: int) -> Image.Image:
+    """Resize (keeping the aspect ratio; bicubic, antialiased when shrinking) to the smallest size that covers
+    width x height, then crop the centre width x height. `resize_center_crop` is the square case."""
     w, h = img.size
     if w <= 0 or h <= 0:
         raise ValueError(f"empty image ({w}x{h})")
-    if w <= h:
-        nw, nh = size, max(size, round(h * size / w))
+    if width * h >= height * w:  # the width is the tighter constraint: scale it to `width`
+        nw, nh = width, max(height, round(h * width / w))
     else:
-        nw, nh = max(size, round(w * size / h)), size
+        nw, nh = max(width, round(w * height / h)), height
     if (nw, nh) != (w, h):
         img = img.resize((nw, nh), Image.Resampling.BICUBIC)
-    left, top = (nw - size) // 2, (nh - size) // 2
-    if (nw, nh) != (size, size):
-        img = img.crop((left, top, left + size, top + size))
+    left, top = (nw - width) // 2, (nh - height) // 2
+    if (nw, nh) != (width, height):
+        img = img.crop((left, top, left + width, top + height))
     return img
 
 
@@ -217,9 +224,12 @@ def sample_caption(sample: dict[str, Any], caption_field: str = "caption") -> st
     return ""
 
 
-def sample_image(sample: dict[str, Any], resolution: int | None = None, min_size: int = 0) -> Image.Image:
+def sample_image(
+    sample: dict[str, Any], resolution: int | tuple[int, int] | None = None, min_size: int = 0
+) -> Image.Image:
     """Decode the first image member (jpg, jpeg, png, webp) of a raw sample; raises if none or undecodable.
 
+    `resolution` (a square side, or a (width, height) the image must still cover) lets JPEGs decode downscaled.
     An empty member raises `BadSample("zero-byte member")`; an image whose shorter side is below `min_size`
     (read from the header, before decoding) raises `BadSample("image too small")`.
     """
@@ -235,7 +245,8 @@ def sample_image(sample: dict[str, Any], resolution: int | None = None, min_size
     if min_size and min(img.size) < min_size:
         raise BadSample(TOO_SMALL, f"{img.size[0]}x{img.size[1]}, shorter side below min_size {min_size}")
     if resolution is not None and img.format == "JPEG":
-        img.draft("RGB", (resolution, resolution))  # DCT-domain downscale, never below the requested size
+        size = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+        img.draft("RGB", size)  # DCT-domain downscale, never below the requested size
     img.load()
     return img
 
@@ -378,12 +389,16 @@ class _SeededShuffle:
 
 @dataclass
 class _DecodeSamples:
-    """Raw tar sample -> {"pixels", "caption", "key"}; bad samples are counted and dropped."""
+    """Raw tar sample -> {"pixels", "caption", "key"}; bad samples are counted and dropped.
+
+    Pixels are `resolution` x `resolution`, or `size` = (height, width) when given (an aspect-ratio bucket).
+    """
 
     resolution: int
     caption_field: str
     stats: ReaderStats
     min_size: int = 0
+    size: tuple[int, int] | None = None
 
     def _bad(self, reason: str, sample: dict, detail: str = "") -> None:
         where = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
@@ -401,8 +416,13 @@ class _DecodeSamples:
                 self._bad(NO_CAPTION, sample)
                 continue
             try:
-                img = sample_image(sample, self.resolution, self.min_size)
-                pixels = image_to_tensor(resize_center_crop(to_rgb(img), self.resolution))
+                if self.size is None:
+                    img = sample_image(sample, self.resolution, self.min_size)
+                    pixels = image_to_tensor(resize_center_crop(to_rgb(img), self.resolution))
+                else:
+                    height, width = self.size
+                    img = sample_image(sample, (width, height), self.min_size)
+                    pixels = image_to_tensor(resize_cover_crop(to_rgb(img), width, height))
             except Exception as exn:  # undecodable, truncated, decompression bomb, no image member, too small
                 self._bad(exn.reason if isinstance(exn, BadSample) else BAD_IMAGE, sample, repr(exn))
                 continue

@@ -48,6 +48,9 @@ class DataConfig:
     shuffle_buffer: int = 1000
     caption_field: str = "caption"  # field of key.json used when a sample has no key.txt
     min_size: int = 0  # skip images whose shorter side is below this (pixels; "image too small"); 0 = off
+    # aspect-ratio buckets around resolution² pixels (1:4 .. 4:1, sides multiples of 16; data/buckets.py): each batch
+    # is one bucket's (h, w). Image shards in indexed mode only (not streaming, not precomputed features)
+    bucketing: bool = False
     synthetic_samples: int = 2000  # size of the synthetic shard set written when shards is None
     synthetic_dir: str | None = None  # where it is written; None = <train.output_dir>/synthetic_shards
 
@@ -260,6 +263,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'sample.steps' must be >= 2, got {cfg.sample.steps}")
     if cfg.data.min_size < 0:
         raise ConfigError(f"config key 'data.min_size' must be >= 0 (0 = no minimum), got {cfg.data.min_size}")
+    if cfg.data.bucketing and cfg.data.mode == "streaming":
+        raise ConfigError("data.bucketing=true needs data.mode=indexed (or auto with local shards): the streaming "
+                          "reader has no image sizes to bucket by; set data.bucketing=false or use local shards")
     if not 0.0 <= cfg.loss.lam <= 1.0:
         raise ConfigError(f"config key 'loss.lam' must lie in [0, 1], got {cfg.loss.lam}")
 
