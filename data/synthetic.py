@@ -33,6 +33,7 @@ __all__ = [
     "MANIFEST_NAME",
     "caption_for",
     "make_sample",
+    "render_objects",
     "write_synthetic_shards",
 ]
 
@@ -109,10 +110,11 @@ def _boxes_apart(a: tuple[float, ...], b: tuple[float, ...], gap: float) -> bool
     return a[2] + gap <= b[0] or b[2] + gap <= a[0] or a[3] + gap <= b[1] or b[3] + gap <= a[1]
 
 
-def _layout(rng: random.Random, n: int) -> list[tuple[float, float, float, float]]:
-    """n square boxes (x0, y0, x1, y1) in unit coordinates that do not overlap."""
+def _layout(rng: random.Random, n: int, size_range: tuple[float, float] | None = None
+            ) -> list[tuple[float, float, float, float]]:
+    """n square boxes (x0, y0, x1, y1) in unit coordinates that do not overlap; sides drawn from size_range."""
     margin, gap = 0.04, 0.04
-    lo, hi = (0.30, 0.48) if n == 1 else (0.22, 0.36)
+    lo, hi = size_range or ((0.30, 0.48) if n == 1 else (0.22, 0.36))
     for _ in range(100):
         boxes: list[tuple[float, float, float, float]] = []
         for _ in range(n):
@@ -161,18 +163,14 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[float, ...], r
         raise ValueError(f"unknown shape {shape!r}")
 
 
-def make_sample(index: int, seed: int = 0, resolution: int = 256) -> tuple[Image.Image, str, list[dict[str, Any]]]:
-    """The `index`-th synthetic sample: (RGB image, caption, objects with shape, colour and pixel bbox)."""
-    rng = random.Random(f"imba-synthetic/v{GENERATOR_VERSION}/{seed}/{index}")
-    n = 2 if rng.random() < P_TWO_OBJECTS else 1
-    pairs: list[tuple[str, str]] = []
-    while len(pairs) < n:
-        pair = (_pick(rng, SHAPES, _SHAPE_CDF), _pick(rng, COLOURS, _COLOUR_CDF))
-        if pair not in pairs:  # never "a red circle and a red circle"
-            pairs.append(pair)
-    boxes = _layout(rng, n)
-    background = tuple(int(_uniform(rng, 228, 252)) for _ in range(3))
+def render_objects(rng: random.Random, pairs: list[tuple[str, str]], resolution: int,
+                   size_range: tuple[float, float] | None = None) -> tuple[Image.Image, list[dict[str, Any]]]:
+    """Draw (shape, colour) pairs at random non-overlapping places on a light background (randomness from rng).
 
+    Returns the RGB image and the objects with shape, colour and pixel bbox.
+    """
+    boxes = _layout(rng, len(pairs), size_range)
+    background = tuple(int(_uniform(rng, 228, 252)) for _ in range(3))
     ss = 4 if resolution <= 128 else 2  # supersample, then box-filter down: smooth edges, still deterministic
     canvas = resolution * ss
     img = Image.new("RGB", (canvas, canvas), background)
@@ -182,7 +180,19 @@ def make_sample(index: int, seed: int = 0, resolution: int = 256) -> tuple[Image
         _draw_shape(draw, shape, tuple(v * canvas for v in box), COLOUR_RGB[colour])
         bbox = [min(resolution, max(0, round(v * resolution))) for v in box]
         objects.append({"shape": shape, "colour": colour, "bbox": bbox})
-    img = img.resize((resolution, resolution), Image.Resampling.BOX)
+    return img.resize((resolution, resolution), Image.Resampling.BOX), objects
+
+
+def make_sample(index: int, seed: int = 0, resolution: int = 256) -> tuple[Image.Image, str, list[dict[str, Any]]]:
+    """The `index`-th synthetic sample: (RGB image, caption, objects with shape, colour and pixel bbox)."""
+    rng = random.Random(f"imba-synthetic/v{GENERATOR_VERSION}/{seed}/{index}")
+    n = 2 if rng.random() < P_TWO_OBJECTS else 1
+    pairs: list[tuple[str, str]] = []
+    while len(pairs) < n:
+        pair = (_pick(rng, SHAPES, _SHAPE_CDF), _pick(rng, COLOURS, _COLOUR_CDF))
+        if pair not in pairs:  # never "a red circle and a red circle"
+            pairs.append(pair)
+    img, objects = render_objects(rng, pairs, resolution)
     return img, caption_for(objects), objects
 
 

@@ -28,6 +28,8 @@ class DiTPreset:
 
 
 PRESETS: dict[str, DiTPreset] = {
+    # The composition benchmark's pixel-space model (bench/composition.py): ~0.7M parameters, seconds per 10 steps.
+    "micro": DiTPreset(num_layers=4, num_attention_heads=3, attention_head_dim=32),
     # CPU smoke tests and the default run: ~3.7M parameters with a 64-d tiny T5.
     "tiny": DiTPreset(num_layers=6, num_attention_heads=6, attention_head_dim=32),
     # DiT-S/2 and DiT-B/2 widths.
