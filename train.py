@@ -28,8 +28,9 @@ from data.indexed import load_or_build_index, make_indexed_loader
 from data.precompute import PrecomputedFeatures, find_manifest, make_precomputed_loader
 from data.shards import expand_urls, is_remote, make_image_text_loader, reader_stats
 from data.synthetic import write_synthetic_shards
-from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, parameter_digest, resolve_resume,
-                              save_checkpoint, saved_world_size)
+from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, parameter_digest,
+                              prepare_world_size_change, rescale_schedule, resolve_resume, save_checkpoint,
+                              saved_world_size)
 from imba.config import Config, ConfigError, dump_config, flat_dict, load_config, save_config
 from imba.monitor import BucketMonitor, JsonlLogger, MetricWindow
 from imba.objectives import build_objective
@@ -87,12 +88,16 @@ def concept_bucketer(cfg: Config, accelerator: Accelerator, shards: list[str], o
     return CaptionBucketer.from_stats(path)
 
 
-def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batches_done: int, manifest):
+def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batches_done: int, manifest,
+                bucket_divisor: int):
     """Indexed (exact resume: starts at the batch an uninterrupted run would draw next), over images or
-    precomputed features, or streaming reader."""
+    precomputed features, or streaming reader. Aspect-ratio buckets have sides divisible by `bucket_divisor`."""
     mode = "indexed" if manifest else cfg.data.mode
     if mode == "auto":
         mode = "streaming" if any(is_remote(url) for url in shards) else "indexed"
+    if cfg.data.bucketing and (manifest or mode == "streaming"):
+        raise ConfigError("data.bucketing=true needs local image shards (read in indexed mode): "
+                          + ("precomputed latents have one fixed size" if manifest else "remote shards are streamed"))
     common = dict(resolution=cfg.data.resolution, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                   seed=cfg.train.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
                   caption_field=cfg.data.caption_field, min_size=cfg.data.min_size)
@@ -104,18 +109,9 @@ def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batche
             return make_precomputed_loader(shards, cfg.data.batch_size, cfg.data.num_workers, cfg.train.seed,
                                            accelerator.process_index, accelerator.num_processes, batches_done,
                                            manifest=manifest)
-        return make_indexed_loader(shards, start_batch=batches_done, **common)
+        return make_indexed_loader(shards, start_batch=batches_done, bucketing=cfg.data.bucketing,
+                                   bucket_divisor=bucket_divisor, **common)
     return make_image_text_loader(shards, resume_step=batches_done, shuffle_buffer=cfg.data.shuffle_buffer, **common)
-
-
-def check_world_size_change(saved: int, accelerator: Accelerator) -> None:
-    """DDP keeps full model/optimizer/EMA states on every rank, so they load on any process count; DeepSpeed
-    partitions optimizer states per rank, so a different count is refused."""
-    if accelerator.state.deepspeed_plugin is not None:
-        raise ConfigError(f"this checkpoint was written by {saved} processes and DeepSpeed partitions its optimizer "
-                          f"states per rank: resume with {saved} processes (a different count works with DDP)")
-    accelerator.print(f"resuming a {saved}-process checkpoint on {accelerator.num_processes} processes: weights, "
-                      "optimizer and EMA carry over; data continues after the same number of samples")
 
 
 def load_encoders(cfg: Config, device) -> FrozenEncoders:
@@ -210,35 +206,40 @@ def main(argv: list[str]) -> int:
     apply_speed_settings(transformer, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
     if deepspeed is not None:
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.data.batch_size  # we batch ourselves
+    checkpoint_root = out / "checkpoints"
+    resume_from = load_from = resolve_resume(cfg.train.resume, checkpoint_root)
+    saved_world = accelerator.num_processes
+    if resume_from is not None:
+        saved_world = saved_world_size(resume_from) or saved_world
+        if saved_world != accelerator.num_processes:  # DDP: as is; ZeRO-1/2: its universal form; else refused
+            load_from = prepare_world_size_change(resume_from, saved_world, accelerator)
+    elif list_checkpoints(checkpoint_root):  # resume=none would overwrite a run's checkpoints
+        raise ConfigError(f"{checkpoint_root} already holds checkpoints: resume (train.resume=latest, the default) "
+                          "or pick another train.output_dir")
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
     ema.to(device)
     state = TrainState(world_size=accelerator.num_processes)
     accelerator.register_for_checkpointing(ema, state)
-    checkpoint_root = out / "checkpoints"
-    resume_from = resolve_resume(cfg.train.resume, checkpoint_root)
-    saved_world = accelerator.num_processes
     if resume_from is not None:
-        saved_world = saved_world_size(resume_from) or saved_world
-        if saved_world != accelerator.num_processes:
-            check_world_size_change(saved_world, accelerator)  # before loading: DeepSpeed would fail obscurely
-        accelerator.load_state(str(resume_from))
-        accelerator.print(f"resumed from {resume_from} at step {state.step}")
-    elif list_checkpoints(checkpoint_root):  # resume=none would overwrite a run's checkpoints
-        raise ConfigError(f"{checkpoint_root} already holds checkpoints: resume (train.resume=latest, the default) "
-                          "or pick another train.output_dir")
+        accelerator.load_state(str(load_from))
+        rescale_schedule(lr_scheduler, saved_world, accelerator.num_processes)
+        if is_main:  # equal to the digest a run ending at that step prints: the weights loaded intact
+            print(f"resumed from {resume_from} at step {state.step}, parameters "
+                  f"{parameter_digest(accelerator.unwrap_model(transformer))}")
     # batches each rank has consumed, rescaled when the checkpoint came from another process count: the data
     # then continues after the same number of samples (in a different order than the original run)
     batches_done = state.step * cfg.train.grad_accum * saved_world // accelerator.num_processes
     state.world_size = accelerator.num_processes
 
     # ---- data ------------------------------------------------------------------------------------------------
+    model = accelerator.unwrap_model(transformer)  # the bare DiT (config, EMA, no-grad passes, sampling)
     shards = training_shards(cfg, accelerator, out)
-    loader = make_loader(cfg, accelerator, shards, batches_done, manifest)
+    loader = make_loader(cfg, accelerator, shards, batches_done, manifest,
+                         bucket_divisor=features.vae_scale * model.config.patch_size)
     batches = iter(loader)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
 
     # ---- loop ------------------------------------------------------------------------------------------------
-    model = accelerator.unwrap_model(transformer)
     encoders = None if manifest else features  # with precomputed data: loaded by the main process to sample
 
     def pipe_parts() -> dict:

@@ -7,24 +7,36 @@ Writing order, so that a crash or pre-emption at any moment leaves only complete
 3. the `latest` pointer file is rewritten (atomically) to name it;
 4. checkpoints beyond the newest `keep` are deleted.
 `resume latest` follows the pointer, or falls back to the newest `step_*` folder if the pointer is missing.
+
+Resuming on another process count (`prepare_world_size_change`): DDP checkpoints hold full states and load as they
+are. DeepSpeed ZeRO-1/2 checkpoints partition the fp32 weights and AdamW moments per rank, so the main process first
+converts the engine's part with DeepSpeed's `ds_to_universal` into `<checkpoint>/universal/` (once, tmp → rename;
+`python -m imba.checkpoints to-universal CHECKPOINT` does it ahead of time) and the engine loads that with
+`checkpoint.load_universal`, re-partitioning the states over the new ranks.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+
+from imba.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
 # accelerate names registered objects by registration order; train.py registers the EMA, then the TrainState
 EMA_STATE_FILE = "custom_checkpoint_0.pkl"
 TRAIN_STATE_FILE = "custom_checkpoint_1.pkl"
+DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state gives the DeepSpeed engine's shards
+UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/: the same checkpoint with the engine's part in universal form
 
 
 class TrainState:
@@ -49,6 +61,68 @@ def saved_world_size(checkpoint: Path) -> int | None:
     """How many processes wrote the checkpoint, read before loading it (None if it does not say)."""
     state = torch.load(Path(checkpoint) / TRAIN_STATE_FILE, weights_only=False, map_location="cpu")
     return state.get("world_size")
+
+
+def to_universal(checkpoint: Path, workers: int = 1) -> Path:
+    """`<checkpoint>/universal/`, written once: the DeepSpeed ZeRO-1/2 shards converted by DeepSpeed's
+    `ds_to_universal` (full fp32 weights, AdamW exp_avg/exp_avg_sq and step per parameter, loadable on any process
+    count) next to links to the checkpoint's other files (LR schedule, EMA, step, RNG states)."""
+    checkpoint = Path(checkpoint)
+    final, source = checkpoint / UNIVERSAL_DIR, checkpoint / DEEPSPEED_TAG
+    if final.is_dir():
+        return final
+    if not any(source.glob("*_optim_states.pt")):
+        raise ConfigError(f"{checkpoint} holds no DeepSpeed ZeRO optimizer shards ({source}/*_optim_states.pt)")
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    tmp = checkpoint / f".tmp_{UNIVERSAL_DIR}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    # workers > 1 forks processes: only from a plain process, not from inside a distributed run
+    ds_to_universal(argparse.Namespace(input_folder=str(source), output_folder=str(tmp / DEEPSPEED_TAG),
+                                       num_extract_workers=workers, num_merge_workers=workers,
+                                       keep_temp_folder=False, strict=True, inject_missing_state=True))
+    for item in checkpoint.iterdir():
+        if item.is_file():
+            try:
+                os.link(item, tmp / item.name)  # the EMA can be large: link rather than copy where possible
+            except OSError:
+                shutil.copy2(item, tmp / item.name)
+    tmp.rename(final)
+    return final
+
+
+def prepare_world_size_change(checkpoint: Path, saved: int, accelerator: Accelerator) -> Path:
+    """Before `accelerator.prepare` (DeepSpeed reads `checkpoint.load_universal` when the engine is built): the folder
+    to `load_state` a checkpoint written by `saved` processes from on the current process count. DDP: the checkpoint
+    itself (full states on every rank). DeepSpeed ZeRO-1/2: its universal form, converted once by the main process.
+    Anything else: a one-line refusal."""
+    checkpoint, now, plugin = Path(checkpoint), accelerator.num_processes, accelerator.state.deepspeed_plugin
+    carried = "weights, optimizer, LR schedule and EMA carry over; data continues after the same number of samples"
+    if plugin is None:
+        accelerator.print(f"resuming a {saved}-process checkpoint on {now} processes: {carried}")
+        return checkpoint
+    if plugin.zero_stage not in (1, 2):
+        raise ConfigError(f"this checkpoint was written by {saved} processes; another process count is supported "
+                          f"with DDP and DeepSpeed ZeRO-1/2, not ZeRO-{plugin.zero_stage}: "
+                          f"resume with {saved} processes")
+    universal = checkpoint / UNIVERSAL_DIR
+    if accelerator.is_main_process and not universal.is_dir():
+        print(f"converting the {saved}-process DeepSpeed checkpoint {checkpoint} to the universal format")
+        to_universal(checkpoint)
+    accelerator.wait_for_everyone()
+    plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    accelerator.print(f"resuming a {saved}-process ZeRO-{plugin.zero_stage} checkpoint on {now} processes through "
+                      f"{universal}: {carried}")
+    return universal
+
+
+def rescale_schedule(lr_scheduler, saved: int, now: int) -> None:
+    """accelerate steps a prepared scheduler once per process per optimizer step: after a change of process count,
+    count the steps taken so far in the new unit, so that the warm-up continues where it was."""
+    if saved != now:
+        schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)
+        schedule.last_epoch = schedule.last_epoch // saved * now
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -111,3 +185,12 @@ def parameter_digest(model: torch.nn.Module) -> str:
     for p in model.parameters():
         digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+if __name__ == "__main__":  # python -m imba.checkpoints to-universal CHECKPOINT [WORKERS]
+    if sys.argv[1:2] != ["to-universal"] or len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m imba.checkpoints to-universal CHECKPOINT_FOLDER [WORKERS]")
+    try:
+        print(f"wrote {to_universal(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) == 4 else 4)}")
+    except ConfigError as err:
+        sys.exit(f"error: {err}")
