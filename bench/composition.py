@@ -1,6 +1,6 @@
 """Synthetic composition benchmark: does IMBA help a DiT compose rare concept pairs? (issue 6; paper Tab. 1/3)
 
-    python bench/composition.py                 # full: 6 variants × 3 seeds, evaluated at 2 lengths (≈ 45 min, 2 cores)
+    python bench/composition.py                 # full: 7 variants × 3 seeds, evaluated at 2 lengths (≈ 50 min, 2 cores)
     python bench/composition.py --quick         # 1 seed, shorter (≈ 8 min)
     python bench/composition.py --variants plain imba_cond --seeds 0 1 --steps 300 1200
 
@@ -19,6 +19,7 @@ diffusers EMA 0.999 with its default warm-up), and differs only in its loss:
 - inverse_freq:   plain MSE re-weighted per sample by the inverse frequency of its concepts (offline re-balancing;
                   frequencies from data.concepts statistics over the training captions)
 - imba_cond_efficient: imba_cond with the efficient (unbiased, ≈ 1.3× plain cost) estimator
+- imba_cond_norm:       imba_cond with D divided by its batch mean (normalize=batch_mean)
 
 Evaluation at each length: for each of the 25 pairs, N samples from the EMA weights (DPM-Solver++ 20 steps,
 classifier-free guidance 3); success = the oracle reads the prompted colour and shape. Reported per bucket
@@ -55,6 +56,7 @@ VARIANTS = {
     "imba_sample": dict(kind="imba_sample", reference="target"),
     "inverse_freq": dict(kind="plain", reweight=True),
     "imba_cond_efficient": dict(kind="imba", reference="cond", estimator="efficient"),
+    "imba_cond_norm": dict(kind="imba", reference="cond", normalize="batch_mean"),
 }
 DEFAULT_VARIANTS = list(VARIANTS)
 BUCKETS = ("head", "torso", "tail", "held_out")
@@ -164,7 +166,7 @@ def run_one(job: dict) -> dict:
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
     objective = RectifiedFlow()
     loss_fn = TrainingLoss(spec["kind"], patch_size=PATCH, reference=spec.get("reference", "target"),
-                           estimator=spec.get("estimator", "literal"))
+                           estimator=spec.get("estimator", "literal"), normalize=spec.get("normalize", "none"))
     drop_gen = torch.Generator().manual_seed(seed + 1)  # caption dropout draws, separate from the data stream
 
     def predict_fn(noisy, timesteps, embeds, mask):
@@ -286,7 +288,8 @@ def bar_plot(summary: dict, variants: list[str], path: Path) -> None:
     """Grouped bars: one panel per length, one group per bucket, one bar per variant, whiskers = 95 % CI."""
     from PIL import Image, ImageDraw
 
-    palette = [(90, 90, 90), (214, 96, 77), (67, 147, 195), (146, 197, 222), (244, 165, 130), (120, 180, 90)]
+    palette = [(90, 90, 90), (214, 96, 77), (67, 147, 195), (146, 197, 222), (244, 165, 130), (120, 180, 90),
+               (150, 110, 200)]
     lengths = sorted(summary)
     panel_w, panel_h, top, left, bottom = 520, 300, 40, 50, 40
     image = Image.new("RGB", (panel_w * len(lengths), panel_h + top + bottom + 20 * len(variants)), "white")
