@@ -210,7 +210,7 @@ def build_readers(args, data: dict[str, Any]) -> tuple[list[Reader], dict[str, A
         index = load_or_build_index(paths)
         samples, members, nbytes = read_tar_members(paths)
         file_bytes = sum(os.path.getsize(p) for p in paths)
-        info[name] = {"shards": len(paths), "first_shard": paths[0], "samples_in_tars": samples,
+        info[name] = {"shards": len(paths), "first_shard": _shown(paths[0]), "samples_in_tars": samples,
                       "indexed_samples": len(index), "members": members, "member_bytes": nbytes,
                       "file_bytes": file_bytes, "bytes_per_sample": file_bytes / max(1, samples)}
 
@@ -354,6 +354,14 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _shown(path: str) -> str:
+    """Paths inside the repository are recorded relative to it (results files are committed)."""
+    try:
+        return os.path.relpath(path, REPO) if Path(path).resolve().is_relative_to(REPO) else path
+    except (OSError, ValueError):
+        return path
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -379,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "settings": {"batch_size": args.batch_size, "num_workers": args.num_workers, "repeats": args.repeats,
                      "batches": args.batches, "smoke": args.smoke, "resolution": manifest["resolution"],
                      "samples": args.samples if not (args.shards or args.precomputed) else None},
-        "data": {"precomputed_dir": data["precomputed"], "latent_shape": manifest["latent_shape"],
+        "data": {"precomputed_dir": _shown(data["precomputed"]), "latent_shape": manifest["latent_shape"],
                  "text_hidden_size": manifest["text_hidden_size"], "max_text_tokens": manifest["max_text_tokens"],
                  "text_dtype": manifest["text_dtype"], **{f"{k}_shards": v for k, v in info.items()}},
         "environment": env,
