@@ -70,7 +70,7 @@ import re
 import tarfile
 import warnings
 from stat import S_ISREG
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -831,8 +831,9 @@ class BucketBatchSampler:
 class _BatchFetch(torch.utils.data.Dataset):
     """dataset[list of indices] -> one collated batch, with the bad-sample counts met while making it."""
 
-    def __init__(self, dataset: IndexedShards):
+    def __init__(self, dataset: IndexedShards, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] = _collate):
         self.dataset = dataset
+        self.collate = collate
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -841,7 +842,7 @@ class _BatchFetch(torch.utils.data.Dataset):
         stats = self.dataset.stats
         before, before_shards = dict(stats.bad), dict(stats.shards_bad)
         size = getattr(indices, "size", None)  # a BucketBatch: decode to its bucket's (height, width)
-        batch = _collate([self.dataset.get(i, size) for i in indices])
+        batch = self.collate([self.dataset.get(i, size) for i in indices])
         batch["_bad"] = {r: n - before.get(r, 0) for r, n in stats.bad.items() if n != before.get(r, 0)}
         batch["_shards_bad"] = {
             r: n - before_shards.get(r, 0) for r, n in stats.shards_bad.items() if n != before_shards.get(r, 0)
@@ -862,7 +863,8 @@ class IndexedLoader:
     """
 
     def __init__(
-        self, dataset: IndexedShards, sampler: IndexedBatchSampler | BucketBatchSampler, num_workers: int = 0
+        self, dataset: IndexedShards, sampler: IndexedBatchSampler | BucketBatchSampler, num_workers: int = 0,
+        collate: Callable[[list[dict[str, Any]]], dict[str, Any]] = _collate,
     ):
         self.dataset = dataset
         self.sampler = sampler
@@ -872,7 +874,7 @@ class IndexedLoader:
         # problems found when indexing (counted by the dataset at construction) + what the workers report
         self.stats = ReaderStats(where=dataset.stats.where, shards_bad=dict(dataset.stats.shards_bad))
         self._loader = torch.utils.data.DataLoader(
-            _BatchFetch(dataset),
+            _BatchFetch(dataset, collate),
             sampler=sampler,
             batch_size=None,  # the sampler yields whole batches; a map-style loader keeps their order
             collate_fn=_identity,

@@ -59,7 +59,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from .indexed import IndexedBatchSampler, IndexedShards
+from .indexed import IndexedBatchSampler, IndexedLoader, IndexedShards
 from .shards import (
     IMAGE_EXTENSIONS,
     ReaderStats,
@@ -820,55 +820,16 @@ def _collate_precomputed(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-class _PrecomputedBatchFetch(torch.utils.data.Dataset):
-    def __init__(self, dataset: PrecomputedShards):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, indices: list[int]) -> dict[str, Any]:
-        stats = self.dataset.stats
-        before, before_shards = dict(stats.bad), dict(stats.shards_bad)
-        batch = _collate_precomputed([self.dataset[i] for i in indices])
-        batch["_bad"] = _delta(stats.bad, before)
-        batch["_shards_bad"] = _delta(stats.shards_bad, before_shards)
-        return batch
-
-
-class PrecomputedLoader:
+class PrecomputedLoader(IndexedLoader):
     """Iterable of precomputed batches (see `make_precomputed_loader`); each `iter()` starts at `start_batch`.
 
-    Same contract as `data.indexed.IndexedLoader`: `stats` sums good/bad samples over workers, `batches_per_epoch`
+    `IndexedLoader` with the precomputed collate: `stats` sums good/bad samples over workers, `batches_per_epoch`
     is per rank, `sampler.batch_indices(t)` names batch t's samples; plus `manifest`.
     """
 
     def __init__(self, dataset: PrecomputedShards, sampler: IndexedBatchSampler, num_workers: int = 0):
-        self.dataset = dataset
-        self.sampler = sampler
+        super().__init__(dataset, sampler, num_workers=num_workers, collate=_collate_precomputed)
         self.manifest = dataset.manifest
-        self.batches_per_epoch = sampler.batches_per_epoch
-        self.start_batch = sampler.start_batch
-        # problems found when indexing (counted by the dataset at construction) + what the workers report
-        self.stats = ReaderStats(where=dataset.stats.where, shards_bad=dict(dataset.stats.shards_bad))
-        self._loader = torch.utils.data.DataLoader(
-            _PrecomputedBatchFetch(dataset),
-            sampler=sampler,
-            batch_size=None,
-            collate_fn=_identity,
-            num_workers=num_workers,
-            persistent_workers=num_workers > 0,
-            generator=torch.Generator().manual_seed(sampler.seed),  # leave the global RNG alone (see indexed.py)
-        )
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self._loader:
-            for reason, n in batch.pop("_bad").items():
-                self.stats.bad[reason] = self.stats.bad.get(reason, 0) + n
-            for reason, n in batch.pop("_shards_bad").items():
-                self.stats.shards_bad[reason] = self.stats.shards_bad.get(reason, 0) + n
-            self.stats.good += len(batch["keys"])
-            yield batch
 
 
 def make_precomputed_loader(

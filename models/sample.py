@@ -40,6 +40,7 @@ import yaml
 from PIL import Image
 from tqdm.auto import tqdm
 
+from imba.eval.prompts import PromptFileError, read_prompt_items
 from models.pipeline import image_grid, sample_images
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,24 +129,12 @@ def load_prompt_file(path: Path) -> list[dict]:
     """[{"prompt": ..., **other fields}] from a .txt, .json or .jsonl prompt file."""
     if not path.is_file():
         raise SampleError(f"prompt file {path} not found")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".txt":
-        items = [line.strip() for line in text.splitlines()]
-        items = [line for line in items if line and not line.startswith("#")]
-    elif path.suffix in (".json", ".jsonl"):
-        try:
-            if path.suffix == ".json":
-                items = json.loads(text)
-            else:
-                items = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as err:
-            raise SampleError(f"{path} is not valid JSON: {err}") from err
-        if isinstance(items, dict) and isinstance(items.get("prompts"), list):
-            items = items["prompts"]
-        if not isinstance(items, list):
-            raise SampleError(f"{path} must hold a list of prompts (strings or objects with a 'prompt' key)")
-    else:
+    if path.suffix not in (".txt", ".json", ".jsonl"):
         raise SampleError(f"unknown prompt file type {path.suffix!r} ({path}): use .txt, .json or .jsonl")
+    try:  # the prompt-file format is the evaluation runners' (imba.eval), so samples and scores read it alike
+        items = read_prompt_items(path)
+    except PromptFileError as err:
+        raise SampleError(str(err)) from err
     entries = []
     for i, item in enumerate(items):
         entry = {"prompt": item} if isinstance(item, str) else item

@@ -157,7 +157,9 @@ def normalize_entry(item: Any, category: str | None = None, where: str = "") -> 
     return entry
 
 
-def _read_items(path: Path) -> list[Any]:
+def read_prompt_items(path: Path) -> list[Any]:
+    """The raw items of a .txt (one per line, # comments), .json (a list, or {"prompts": [...]}) or .jsonl prompt
+    file: strings or objects; PromptFileError (one line) when it is not valid."""
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".txt":
         lines = (line.strip() for line in text.splitlines())
@@ -183,7 +185,7 @@ def load_prompts(path: str | Path, category: str | None = None) -> list[dict[str
     if path.suffix not in (".txt", ".json", ".jsonl"):
         raise PromptFileError(f"unknown prompt file type {path.suffix!r} ({path}): use .txt, .json or .jsonl")
     category = normalize_category(category) or (category_from_filename(path) if path.suffix == ".txt" else None)
-    entries = [normalize_entry(item, category, f"{path}, entry {i}") for i, item in enumerate(_read_items(path))]
+    entries = [normalize_entry(item, category, f"{path}, entry {i}") for i, item in enumerate(read_prompt_items(path))]
     if not entries:
         raise PromptFileError(f"{path} holds no prompts")
     return entries
