@@ -59,3 +59,8 @@ def test_training_on_precomputed_features_loads_the_encoders_only_to_sample(prec
 def test_a_config_that_does_not_match_the_features_is_refused(precomputed, tmp_path):
     with pytest.raises(ConfigError, match="resolution=64 wanted, 32 precomputed"):
         train.main(args(tmp_path / "run", precomputed, "data.resolution=64"))
+
+
+def test_bucketing_is_refused_on_precomputed_features(precomputed, tmp_path):
+    with pytest.raises(ConfigError, match="precomputed latents have one fixed size"):
+        train.main(args(tmp_path / "run", precomputed, "data.bucketing=true", "train.max_steps=1"))
