@@ -20,8 +20,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
+from transformers.integrations import unset_hf_deepspeed_config
 
 from data.concepts import CaptionBucketer, collect_stats, write_stats
 from data.indexed import load_or_build_index, make_indexed_loader
@@ -32,12 +32,13 @@ from imba.checkpoints import (EMA_STATE_FILE, TrainState, list_checkpoints, para
                               prepare_world_size_change, rescale_schedule, resolve_resume, save_checkpoint,
                               saved_world_size)
 from imba.config import Config, ConfigError, dump_config, flat_dict, load_config, save_config
+from imba.ema import ema_weights_copy, make_ema
 from imba.monitor import BucketMonitor, JsonlLogger, MetricWindow
 from imba.objectives import build_objective
 from imba.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.step import TrainingLoss
 from models.dit import apply_speed_settings, build_transformer, load_pretrained_transformer, predict
-from models.pipeline import build_pipeline, export_pipeline, save_ema_grid
+from models.pipeline import build_pipeline, export_pipeline, save_grid
 from models.encoders import FrozenEncoders
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,18 +141,17 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
 
 
 def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
-    """The EMA weights of a checkpoint (single process, DDP, ZeRO-1/2) → a diffusers pipeline folder."""
+    """The EMA weights of a checkpoint (any: single process, DDP, ZeRO-1/2/3) → a diffusers pipeline folder."""
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.yaml").is_file() or not (checkpoint / EMA_STATE_FILE).is_file():
         raise FileNotFoundError(f"{checkpoint} is not a training checkpoint (no config.yaml or EMA state)")
     cfg = load_config(["--config", str(checkpoint / "config.yaml")])
     encoders = load_encoders(cfg, "cpu")
     transformer = build_dit(cfg, encoders)
-    ema = EMAModel(transformer.parameters(), model_cls=type(transformer), model_config=transformer.config)
+    ema = make_ema(transformer.parameters())  # saved whole in every mode (ZeRO-3's slices are gathered to save)
     ema.load_state_dict(torch.load(checkpoint / EMA_STATE_FILE, weights_only=False, map_location="cpu"))
     if any(s.shape != p.shape for s, p in zip(ema.shadow_params, transformer.parameters())):
-        raise ConfigError(f"the EMA in {checkpoint} is partitioned (ZeRO-3): export is supported for "
-                          "single-process, DDP and ZeRO-1/2 checkpoints")
+        raise ConfigError(f"the EMA in {checkpoint} does not match the model its config.yaml describes")
     ema.copy_to(transformer.parameters())
     export_dir = Path(export_dir or checkpoint.parent.parent / f"export_{checkpoint.name}")
     scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
@@ -169,9 +169,9 @@ def main(argv: list[str]) -> int:
     accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"device {device}, output {out}")
     deepspeed = accelerator.state.deepspeed_plugin
-    if deepspeed is not None and deepspeed.zero_stage == 3:
-        raise ConfigError("DeepSpeed ZeRO-3 is not supported yet: EMA, sample grids and export need the full "
-                          "parameters on each rank; launch with launch/accelerate/zero2.yaml")
+    zero3 = deepspeed is not None and deepspeed.zero_stage == 3
+    if zero3:  # the engine partitions the DiT in prepare; without this transformers' from_pretrained would
+        unset_hf_deepspeed_config()  # partition the frozen T5 too (zero.Init), and every rank needs it whole
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     if is_main:
@@ -189,13 +189,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(str(err)) from err
     features = PrecomputedFeatures(manifest, device) if manifest else load_encoders(cfg, device)
     transformer = build_dit(cfg, features)
-    ema = EMAModel(transformer.parameters(), decay=cfg.optim.ema_decay, model_cls=type(transformer),
-                   model_config=transformer.config)
     objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
     loss_fn = TrainingLoss(cfg.loss.kind, gamma=cfg.loss.gamma, lam=cfg.loss.lam,
                            patch_size=transformer.config.patch_size, distance=cfg.loss.distance,
                            reference=cfg.loss.reference, normalize=cfg.loss.normalize,
-                           estimator=cfg.loss.estimator)
+                           estimator=cfg.loss.estimator, uniform_passes=zero3)
 
     # ---- optimizer, schedule, checkpoint state -----------------------------------------------------------------
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
@@ -217,22 +215,22 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"{checkpoint_root} already holds checkpoints: resume (train.resume=latest, the default) "
                           "or pick another train.output_dir")
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
-    ema.to(device)
+    model = accelerator.unwrap_model(transformer)  # the bare DiT (config, EMA, no-grad passes); ZeRO-3: partitioned
+    ema = make_ema(model.parameters(), decay=cfg.optim.ema_decay)  # ZeRO-3: each rank averages its own slice
     state = TrainState(world_size=accelerator.num_processes)
     accelerator.register_for_checkpointing(ema, state)
     if resume_from is not None:
         accelerator.load_state(str(load_from))
+        ema.to(device)  # accelerate loads registered objects onto the CPU
         rescale_schedule(lr_scheduler, saved_world, accelerator.num_processes)
-        if is_main:  # equal to the digest a run ending at that step prints: the weights loaded intact
-            print(f"resumed from {resume_from} at step {state.step}, parameters "
-                  f"{parameter_digest(accelerator.unwrap_model(transformer))}")
+        digest = parameter_digest(model)  # equal to the one a run ending at that step prints: loaded intact
+        accelerator.print(f"resumed from {resume_from} at step {state.step}, parameters {digest}")
     # batches each rank has consumed, rescaled when the checkpoint came from another process count: the data
     # then continues after the same number of samples (in a different order than the original run)
     batches_done = state.step * cfg.train.grad_accum * saved_world // accelerator.num_processes
     state.world_size = accelerator.num_processes
 
     # ---- data ------------------------------------------------------------------------------------------------
-    model = accelerator.unwrap_model(transformer)  # the bare DiT (config, EMA, no-grad passes, sampling)
     shards = training_shards(cfg, accelerator, out)
     loader = make_loader(cfg, accelerator, shards, batches_done, manifest,
                          bucket_divisor=features.vae_scale * model.config.patch_size)
@@ -246,6 +244,11 @@ def main(argv: list[str]) -> int:
         nonlocal encoders
         encoders = encoders or load_encoders(cfg, device)
         return dict(scheduler=objective.sampling_scheduler(), **encoders.pipeline_parts())
+
+    def save_ema_grid(ema_model, step: int) -> None:  # a grid of the fixed prompts from the EMA weights
+        save_grid(ema_model, pipe_parts(), out / "samples" / f"step_{step:07d}.png", cfg.sample.prompts,
+                  cfg.data.resolution, cfg.sample.guidance_scale, cfg.sample.steps, cfg.sample.seed,
+                  cfg.model.max_text_tokens)
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg))
     metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
     window = MetricWindow()
@@ -310,21 +313,22 @@ def main(argv: list[str]) -> int:
         if last or (cfg.train.save_every and step % cfg.train.save_every == 0):
             save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
             window_start, window_start_step = time.perf_counter(), step  # keep I/O out of images_per_s
-        if is_main and (last or (cfg.train.sample_every and step % cfg.train.sample_every == 0)):
-            sc = cfg.sample  # a grid of the fixed prompts from the EMA weights
-            save_ema_grid(model, ema, pipe_parts(), out / "samples" / f"step_{step:07d}.png", sc.prompts,
-                          cfg.data.resolution, sc.guidance_scale, sc.steps, sc.seed, cfg.model.max_text_tokens)
+        if not last and cfg.train.sample_every and step % cfg.train.sample_every == 0:
+            ema_model = ema_weights_copy(model, ema, build=is_main)  # ZeRO-3: gathered from every rank
+            if is_main:
+                save_ema_grid(ema_model, step)
+            del ema_model
             window_start, window_start_step = time.perf_counter(), step
     progress.close()
 
     print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(model)}"
           + (f"; data: {data_stats.summary()}" if data_stats is not None else ""))
 
-    # ---- export: EMA weights + frozen parts as a stock diffusers pipeline folder -----------------------------
+    # ---- last grid, export: EMA weights + frozen parts as a stock diffusers pipeline folder ------------------
     export_dir = out / "export"
+    ema_model = ema_weights_copy(model, ema, build=is_main)  # a clean instance: no compile/checkpointing state
     if is_main:
-        ema_model = type(model).from_config(model.config)  # a clean instance: no compile/checkpointing state
-        ema.copy_to(ema_model.parameters())
+        save_ema_grid(ema_model, state.step)
         export_pipeline(build_pipeline(transformer=ema_model, **pipe_parts()), export_dir)
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
               f"samples/ (grids), metrics.jsonl, config.yaml, export/ "

@@ -9,7 +9,7 @@ Writing order, so that a crash or pre-emption at any moment leaves only complete
 `resume latest` follows the pointer, or falls back to the newest `step_*` folder if the pointer is missing.
 
 Resuming on another process count (`prepare_world_size_change`): DDP checkpoints hold full states and load as they
-are. DeepSpeed ZeRO-1/2 checkpoints partition the fp32 weights and AdamW moments per rank, so the main process first
+are. DeepSpeed ZeRO-1/2/3 checkpoints partition the fp32 weights and AdamW moments per rank, so the main process first
 converts the engine's part with DeepSpeed's `ds_to_universal` into `<checkpoint>/universal/` (once, tmp → rename;
 `python -m imba.checkpoints to-universal CHECKPOINT` does it ahead of time) and the engine loads that with
 `checkpoint.load_universal`, re-partitioning the states over the new ranks.
@@ -18,6 +18,7 @@ converts the engine's part with DeepSpeed's `ds_to_universal` into `<checkpoint>
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
@@ -64,7 +65,7 @@ def saved_world_size(checkpoint: Path) -> int | None:
 
 
 def to_universal(checkpoint: Path, workers: int = 1) -> Path:
-    """`<checkpoint>/universal/`, written once: the DeepSpeed ZeRO-1/2 shards converted by DeepSpeed's
+    """`<checkpoint>/universal/`, written once: the DeepSpeed ZeRO-1/2/3 shards converted by DeepSpeed's
     `ds_to_universal` (full fp32 weights, AdamW exp_avg/exp_avg_sq and step per parameter, loadable on any process
     count) next to links to the checkpoint's other files (LR schedule, EMA, step, RNG states)."""
     checkpoint = Path(checkpoint)
@@ -95,16 +96,16 @@ def to_universal(checkpoint: Path, workers: int = 1) -> Path:
 def prepare_world_size_change(checkpoint: Path, saved: int, accelerator: Accelerator) -> Path:
     """Before `accelerator.prepare` (DeepSpeed reads `checkpoint.load_universal` when the engine is built): the folder
     to `load_state` a checkpoint written by `saved` processes from on the current process count. DDP: the checkpoint
-    itself (full states on every rank). DeepSpeed ZeRO-1/2: its universal form, converted once by the main process.
+    itself (full states on every rank). DeepSpeed ZeRO-1/2/3: its universal form, converted once by the main process.
     Anything else: a one-line refusal."""
     checkpoint, now, plugin = Path(checkpoint), accelerator.num_processes, accelerator.state.deepspeed_plugin
     carried = "weights, optimizer, LR schedule and EMA carry over; data continues after the same number of samples"
     if plugin is None:
         accelerator.print(f"resuming a {saved}-process checkpoint on {now} processes: {carried}")
         return checkpoint
-    if plugin.zero_stage not in (1, 2):
+    if plugin.zero_stage not in (1, 2, 3):
         raise ConfigError(f"this checkpoint was written by {saved} processes; another process count is supported "
-                          f"with DDP and DeepSpeed ZeRO-1/2, not ZeRO-{plugin.zero_stage}: "
+                          f"with DDP and DeepSpeed ZeRO-1/2/3, not ZeRO-{plugin.zero_stage}: "
                           f"resume with {saved} processes")
     universal = checkpoint / UNIVERSAL_DIR
     if accelerator.is_main_process and not universal.is_dir():
@@ -180,10 +181,18 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, 
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
-    """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical."""
+    """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical.
+    Under ZeRO-3 the parameters are gathered first, a collective: call it on every rank."""
+    params = list(model.parameters())
+    gathered = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
     digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    with gathered:
+        for p in params:
+            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

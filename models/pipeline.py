@@ -81,18 +81,11 @@ def export_pipeline(pipe: PixArtAlphaPipeline, folder: Path) -> Path:
     return folder
 
 
-def save_ema_grid(transformer, ema, parts: dict, path: Path, prompts: list[str], resolution: int,
-                  guidance_scale: float, steps: int, seed: int, max_text_tokens: int) -> None:
-    """A grid of `prompts` sampled from the EMA weights (a diffusers `EMAModel`); the training weights are put
-    back after. `parts`: vae, text_encoder, tokenizer, scheduler."""
-    ema.store(transformer.parameters())
-    ema.copy_to(transformer.parameters())
-    transformer.eval()
-    try:
-        images = sample_images(build_pipeline(transformer=transformer, **parts), prompts, resolution,
-                               guidance_scale, steps, seed, max_text_tokens)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        image_grid(images).save(path)
-    finally:
-        transformer.train()
-        ema.restore(transformer.parameters())
+def save_grid(transformer, parts: dict, path: Path, prompts: list[str], resolution: int, guidance_scale: float,
+              steps: int, seed: int, max_text_tokens: int) -> None:
+    """A grid of `prompts` sampled from `transformer` (during training: the EMA weights' copy,
+    `imba.ema.ema_weights_copy`). `parts`: vae, text_encoder, tokenizer, scheduler."""
+    images = sample_images(build_pipeline(transformer=transformer, **parts), prompts, resolution, guidance_scale,
+                           steps, seed, max_text_tokens)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    image_grid(images).save(path)

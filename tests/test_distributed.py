@@ -1,9 +1,10 @@
-"""Real 2-process runs over gloo on CPU: DDP and DeepSpeed ZeRO-2.
+"""Real 2-process runs over gloo on CPU: DDP, DeepSpeed ZeRO-2 and ZeRO-3.
 
 Each test asserts the world size it really got (DESIGN pitfall: `accelerate launch --cpu --num_processes 2` quietly
 starts one process), that both ranks end with bitwise-identical parameters, and that stopping at a checkpoint and
 resuming reproduces the uninterrupted run exactly: same per-step losses, same final parameters. Checkpoints also
-resume on another process count: DDP as they are, ZeRO-2 through DeepSpeed's universal format.
+resume on another process count: DDP as they are, ZeRO-2/3 through DeepSpeed's universal format. ZeRO-3 (parameters
+and EMA partitioned over the ranks) trains like ZeRO-2, and its checkpoints export like any other.
 """
 
 import json
@@ -34,6 +35,8 @@ LAUNCHERS = {
     "ddp": (["--multi_gpu"], {"ACCELERATE_USE_CPU": "true"}),
     "zero2": (["--use_deepspeed", "--zero_stage", "2", "--gradient_accumulation_steps", "1",
                "--gradient_clipping", "1.0"], {}),
+    "zero3": (["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false", "--gradient_accumulation_steps",
+               "1", "--gradient_clipping", "1.0"], {}),
 }
 
 
@@ -76,24 +79,57 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    """`full_runs(kind)`: (output folder, log) of an uninterrupted 6-step 2-process run with checkpoints and sample
+    grids at steps 3 and 6, launched once per module and shared by the tests that need it."""
+    cache = {}
+
+    def run(kind):
+        if kind not in cache:
+            root = tmp_path_factory.mktemp(f"full_{kind}")
+            out = root / "full"
+            cache[kind] = out, launch(kind, [f"train.output_dir={out}", "train.max_steps=6", "train.save_every=3",
+                                             "train.sample_every=3"], root)
+        return cache[kind]
+    return run
+
+
+def ema_state(checkpoint: Path) -> dict:
+    return torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False)
+
+
+def copy_checkpoint(run: Path, step: int, dest: Path) -> Path:
+    """`dest` as the output folder of a run killed right after saving `run`'s checkpoint at `step` (the same save a
+    run ending at that step makes), for resuming without retraining the first steps."""
+    name = f"step_{step:07d}"
+    shutil.copytree(run / "checkpoints" / name, dest / "checkpoints" / name)
+    (dest / "checkpoints" / "latest").write_text(name + "\n")
+    return dest / "checkpoints" / name
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ddp", "zero2"])
-def test_two_processes_train_identically_and_resume_exactly(tmp_path, kind):
-    full, split = tmp_path / "full", tmp_path / "split"
-    uninterrupted = launch(kind, [f"train.output_dir={full}", "train.max_steps=6", "train.save_every=3"], tmp_path)
+@pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3"])
+def test_two_processes_train_identically_and_resume_exactly(tmp_path, kind, full_runs):
+    full, uninterrupted = full_runs(kind)
     expected_type = "MULTI_CPU" if kind == "ddp" else "DEEPSPEED"
     assert f"world size 2 ({expected_type})" in uninterrupted
-    full_digests = digests(uninterrupted)
+    full_digests = digests(uninterrupted)  # ZeRO-3: gathered from both ranks' partitions
     assert set(full_digests) == {0, 1} and full_digests[0] == full_digests[1]  # ranks agree bitwise
 
-    launch(kind, [f"train.output_dir={split}", "train.max_steps=3"], tmp_path)  # "killed" after step 3
+    split = tmp_path / "split"
+    step3 = copy_checkpoint(full, 3, split)  # "killed" after step 3
     resumed = launch(kind, [f"train.output_dir={split}", "train.max_steps=6"], tmp_path)  # resume=latest
-    assert f"resumed from {split / 'checkpoints' / 'step_0000003'} at step 3" in resumed
+    assert f"resumed from {step3} at step 3" in resumed
     resumed_digests = digests(resumed)
-    assert resumed_digests == full_digests  # same final parameters, bitwise, on both ranks
-    assert losses(split) == losses(full)  # steps 1-6: the same batches, noise and losses
+    # same final parameters, bitwise, on both ranks, although the uninterrupted run sampled a grid at step 3
+    assert resumed_digests == full_digests
+    assert [losses(split)[s] for s in (4, 5, 6)] == [losses(full)[s] for s in (4, 5, 6)]  # same batches, noise
     checkpoint = split / "checkpoints" / "step_0000006"
     assert (checkpoint / "random_states_0.pkl").is_file() and (checkpoint / "random_states_1.pkl").is_file()
+    split_ema, full_ema = ema_state(checkpoint), ema_state(full / "checkpoints" / "step_0000006")
+    assert split_ema["optimization_step"] == full_ema["optimization_step"] == 6
+    assert all(torch.equal(a, b) for a, b in zip(split_ema["shadow_params"], full_ema["shadow_params"], strict=True))
 
 
 def train_single_process(args, tmp_path):
@@ -103,15 +139,15 @@ def train_single_process(args, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_checkpoint_resumes_on_another_process_count(tmp_path):
+def test_ddp_checkpoint_resumes_on_another_process_count(tmp_path, full_runs):
     out = tmp_path / "run"
-    launch("ddp", [f"train.output_dir={out}", "train.max_steps=2"], tmp_path)
-    proc = train_single_process([f"train.output_dir={out}", "train.max_steps=4"], tmp_path)
+    copy_checkpoint(full_runs("ddp")[0], 3, out)
+    proc = train_single_process([f"train.output_dir={out}", "train.max_steps=5"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world size 1" in proc.stdout and "resumed from" in proc.stdout
     assert "resuming a 2-process checkpoint on 1 processes" in proc.stdout
-    assert "done: step 4" in proc.stdout
-    assert scheduler_steps(out / "checkpoints" / "step_0000004") == 4  # 2 × 2 processes, then 2 × 1, not 2 × 2 + 2
+    assert "done: step 5" in proc.stdout
+    assert scheduler_steps(out / "checkpoints" / "step_0000005") == 5  # 3 × 2 processes, then 2 × 1, not 3 × 2 + 2
 
 
 def zero_states(checkpoint: Path, world: int) -> tuple[dict, dict, torch.Tensor, dict]:
@@ -159,12 +195,14 @@ def scheduler_steps(checkpoint: Path) -> int:
 
 
 @pytest.mark.slow
-def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path):
+def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path, full_runs):
     out, reference = tmp_path / "run", tmp_path / "reference"
-    saving = launch("zero2", [f"train.output_dir={out}", "train.max_steps=3"], tmp_path)
-    saved_digest = digests(saving)[0]
-    step3 = out / "checkpoints" / "step_0000003"
+    step3 = copy_checkpoint(full_runs("zero2")[0], 3, out)  # written by 2 processes
     write_plain_copy(step3, reference / "checkpoints" / step3.name, world=2)
+    # the reference: the same state resumed by a plain single-process run (torch AdamW, no DeepSpeed)
+    plain = train_single_process([f"train.output_dir={reference}", "train.max_steps=6"], tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    saved_digest = re.search(r"at step 3, parameters ([0-9a-f]{16})", plain.stdout).group(1)
 
     # 2 → 1 process: converted once to <checkpoint>/universal/, loaded with DeepSpeed's load_universal
     shrunk = launch("zero2", [f"train.output_dir={out}", "train.max_steps=6"], tmp_path, num_processes=1)
@@ -172,11 +210,6 @@ def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path):
     assert f"resuming a 2-process ZeRO-2 checkpoint on 1 processes through {step3 / 'universal'}" in shrunk
     assert f"resumed from {step3} at step 3, parameters {saved_digest}" in shrunk  # the saved weights, bitwise
     assert "done: step 6" in shrunk and (step3 / "universal" / "pytorch_model" / "zero").is_dir()
-
-    # the reference: the same state resumed by a plain single-process run (torch AdamW, no DeepSpeed)
-    plain = train_single_process([f"train.output_dir={reference}", "train.max_steps=6"], tmp_path)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert f"at step 3, parameters {saved_digest}" in plain.stdout
     # same data, noise, weights and AdamW moments → same losses and weights up to float rounding; with the
     # moments and step reset instead, the weights here differ by ~1e-3 and the losses at steps 5-6 by ~1e-2
     resumed_losses, reference_losses = losses(out), losses(reference)
@@ -200,14 +233,47 @@ def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path):
     assert adam_steps(step8, world=2) == [8.0, 8.0] and scheduler_steps(step8) == 16
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_other_deepspeed_stages_on_another_process_count_are_refused_in_one_line(tmp_path, stage):
-    plugin = SimpleNamespace(zero_stage=stage, deepspeed_config={})
+def test_deepspeed_without_zero_on_another_process_count_is_refused_in_one_line(tmp_path):
+    plugin = SimpleNamespace(zero_stage=0, deepspeed_config={})
     accelerator = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=plugin),
                                   is_main_process=True, print=print)
     with pytest.raises(ConfigError) as err:
         prepare_world_size_change(tmp_path, 2, accelerator)
-    assert "\n" not in str(err.value)
-    assert str(err.value) == (f"this checkpoint was written by 2 processes; another process count is supported with "
-                              f"DDP and DeepSpeed ZeRO-1/2, not ZeRO-{stage}: resume with 2 processes")
+    assert str(err.value) == ("this checkpoint was written by 2 processes; another process count is supported with "
+                              "DDP and DeepSpeed ZeRO-1/2/3, not ZeRO-0: resume with 2 processes")
     assert plugin.deepspeed_config == {}  # nothing converted or switched
+
+
+@pytest.mark.slow
+def test_zero3_trains_like_zero2_holds_the_ema_whole_and_exports(tmp_path, full_runs):
+    """ZeRO-3 partitions the parameters and the EMA over the ranks: the loop must not read full weights outside
+    the engine's forward, checkpoints hold the EMA whole, and the training is ZeRO-2's up to float rounding."""
+    (zero3, zero3_log), (zero2, _) = full_runs("zero3"), full_runs("zero2")
+    step3, step6 = zero3 / "checkpoints" / "step_0000003", zero3 / "checkpoints" / "step_0000006"
+    assert (step6 / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_model_states.pt").is_file()  # really partitioned
+    assert sorted(p.name for p in (zero3 / "samples").iterdir()) == ["step_0000003.png", "step_0000006.png"]
+
+    # ZeRO-2 (whole parameters, diffusers' EMAModel) on the same data: the same losses and EMA up to rounding
+    assert [losses(zero3)[s] for s in range(1, 7)] == pytest.approx([losses(zero2)[s] for s in range(1, 7)],
+                                                                    rel=1e-5, abs=1e-6)
+    ema = ema_state(step6)["shadow_params"]
+    reference = ema_state(zero2 / "checkpoints" / "step_0000006")["shadow_params"]
+    assert [t.shape for t in ema] == [t.shape for t in reference]  # whole tensors, not this rank's slices
+    gap = max((a - b).abs().max().item() for a, b in zip(ema, reference))
+    moved = max((a - b).abs().max().item() for a, b in zip(ema, ema_state(step3)["shadow_params"]))
+    assert gap < 1e-5 and moved > 1e-4  # equal up to rounding (~1e-6), while three steps move the EMA far more
+
+    # a ZeRO-3 checkpoint exports in a plain process, to the weights the run itself exported
+    export = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--export", str(step6), str(export)], cwd=tmp_path,
+                          env=launch_env({}), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = load_file(export / "transformer" / "diffusion_pytorch_model.safetensors")
+    expected = load_file(zero3 / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+
+    # 2 → 1 process through the universal form: the saved weights, bitwise (on a copy: the shared run stays as is)
+    copy_checkpoint(zero3, 6, tmp_path / "run")
+    shrunk = launch("zero3", [f"train.output_dir={tmp_path / 'run'}", "train.max_steps=7"], tmp_path, num_processes=1)
+    assert "resuming a 2-process ZeRO-3 checkpoint on 1 processes" in shrunk
+    assert f"at step 6, parameters {digests(zero3_log)[0]}" in shrunk and "done: step 7" in shrunk

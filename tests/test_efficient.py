@@ -125,3 +125,21 @@ def test_efficient_runs_one_grad_pass_and_a_no_grad_pass_of_the_kept_rows(setup)
     passes.clear()
     TrainingLoss("imba", estimator="literal")(counting_predict, noised, cond, null)
     assert passes == [(8, True)]
+
+
+def test_uniform_passes_run_the_no_grad_pass_on_every_row_and_give_the_same_loss(setup):
+    """ZeRO-3 (every forward is a collective): the same passes whatever the batch draws, the same loss."""
+    dit, noised, cond, null = setup
+    passes = []
+
+    def counting_predict(noisy, t, embeds, mask):
+        passes.append((noisy.shape[0], torch.is_grad_enabled()))
+        return predict(dit, noisy, t, embeds, mask)
+
+    uniform = TrainingLoss("imba", estimator="efficient", uniform_passes=True)
+    for drop in (torch.tensor([True, False, True, False]), torch.ones(4, dtype=torch.bool)):
+        passes.clear()
+        loss, _ = uniform(counting_predict, noised, cond, null, drop=drop)
+        assert passes == [(4, True), (4, False)]
+        expected, _ = TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
+        assert torch.allclose(loss, expected, rtol=1e-12, atol=0)

@@ -1,0 +1,116 @@
+"""The EMA of the trained weights, for every way the model can be held: whole on each rank, or ZeRO-3 partitions.
+
+`make_ema(model.parameters(), ...)` after `accelerator.prepare`:
+- whole parameters (single process, DDP, ZeRO-1/2): diffusers' `EMAModel`, with float32 shadows even when
+  DeepSpeed holds the module in bf16;
+- DeepSpeed ZeRO-3 (each rank holds one slice of every parameter): `PartitionedEMA`.
+
+diffusers' `EMAModel` also runs under ZeRO-3, but keeps a full float32 copy on every rank and gathers every
+parameter from all ranks at every step to update it: one more all-gather of the whole model per step and a full
+copy per GPU, the memory ZeRO-3 is there to save. `PartitionedEMA` averages each rank's own slice instead
+(`param.ds_tensor`, which DeepSpeed's optimizer updates in place): no communication per step and 1/N of the memory.
+Full tensors are assembled only to save a checkpoint, sample a grid or export, and are saved in `EMAModel`'s own
+format, so `train.py --export`, resume and resume on another process count treat both alike.
+
+DeepSpeed's ZeRO-3 layout (`partition_parameters.py`): a parameter is flattened, padded with zeros to a multiple
+of the group size N, and rank r holds elements [r·n, (r+1)·n), n = padded size / N.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from diffusers.training_utils import EMAModel
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def is_partitioned(parameters: Iterable[torch.nn.Parameter]) -> bool:
+    """True for ZeRO-3 parameters (DeepSpeed gives them a `ds_tensor` partition)."""
+    return any(hasattr(p, "ds_tensor") for p in parameters)
+
+
+def make_ema(parameters: Iterable[torch.nn.Parameter], **ema_kwargs) -> EMAModel:
+    """The EMA for these (prepared) parameters; `ema_kwargs` as diffusers' `EMAModel` (decay, model_cls, ...)."""
+    parameters = list(parameters)
+    if is_partitioned(parameters):
+        return PartitionedEMA(parameters, **ema_kwargs)
+    # EMAModel clones what it is given: float32 shadows even when the module itself is held in bf16
+    return EMAModel([p.detach().float() for p in parameters], **ema_kwargs)
+
+
+class PartitionedEMA(EMAModel):
+    """EMA of ZeRO-3-partitioned parameters: `shadow_params` holds this rank's float32 slice of each parameter.
+
+    `state_dict`, `load_state_dict` and `full_tensors` are collectives: every rank of the group must call them (the
+    training loop does, accelerate's `save_state`/`load_state` too). The state dict holds the full tensors, as an
+    `EMAModel` over the whole model would; loading it takes this rank's slices, for any process count.
+    """
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], **ema_kwargs):
+        parameters = list(parameters)
+        if not all(hasattr(p, "ds_tensor") for p in parameters):
+            raise ValueError("PartitionedEMA needs DeepSpeed ZeRO-3 parameters (after accelerator.prepare)")
+        super().__init__([p.ds_tensor.detach().float() for p in parameters], **ema_kwargs)
+        self.shapes = [p.ds_shape for p in parameters]
+        self.group = parameters[0].ds_process_group
+
+    @torch.no_grad()
+    def step(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """One update from the rank's current slices, with `EMAModel`'s decay schedule; no communication."""
+        self.optimization_step += 1
+        decay = self.cur_decay_value = self.get_decay(self.optimization_step)
+        slices = [p.ds_tensor.float() for p in parameters]
+        # s ← s − (1 − decay)·(s − p): EMAModel's update, on the slices
+        torch._foreach_sub_(self.shadow_params, torch._foreach_sub(self.shadow_params, slices), alpha=1 - decay)
+
+    def full_tensors(self, keep: bool = True, device="cpu") -> list[torch.Tensor]:
+        """Every parameter's full EMA tensor on `device`, gathered one parameter at a time (so only one full
+        parameter is ever on the accelerator). Every rank must call it; with keep=False a rank takes part and
+        gets an empty list (the main process keeps the tensors it samples or saves from)."""
+        world = dist.get_world_size(self.group)
+        full = []
+        for shard, shape in zip(self.shadow_params, self.shapes):
+            gathered = shard.new_empty(world * shard.numel())
+            _all_gather(gathered, shard, group=self.group)
+            if keep:
+                full.append(gathered[:shape.numel()].view(shape).to(device))
+        return full
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "shadow_params": self.full_tensors()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        slices = self.shadow_params  # this rank's slices: their sizes and device
+        super().load_state_dict(state_dict)  # checks and sets the counters; shadow_params = the full tensors
+        full = self.shadow_params
+        if [tuple(t.shape) for t in full] != [tuple(s) for s in self.shapes]:
+            raise ValueError("the EMA state does not match this model's parameter shapes")
+        rank = dist.get_rank(self.group)
+        self.shadow_params = []
+        for tensor, old in zip(full, slices):
+            n = old.numel()
+            piece = tensor.reshape(-1)[rank * n:(rank + 1) * n]  # the last rank's slice may run past the end
+            self.shadow_params.append(torch.cat([piece, piece.new_zeros(n - piece.numel())]).to(old))
+
+
+def ema_weights_copy(model: torch.nn.Module, ema: EMAModel, build: bool = True) -> torch.nn.Module | None:
+    """A fresh copy of `model` (a diffusers model) holding the EMA weights, on the model's device, in eval mode,
+    without compile or checkpointing state: what a sample grid and the export run. None where `build` is False.
+    With a `PartitionedEMA` every rank must call it (the slices are gathered from all ranks); pass
+    build=is_main_process."""
+    weights = ema.full_tensors(keep=build) if isinstance(ema, PartitionedEMA) else ema.shadow_params
+    if not build:
+        return None
+    device = ema.shadow_params[0].device
+    # the random initialisation must not draw from the training's random streams (a resumed run would diverge from
+    # an uninterrupted one at the first grid); on the model's device: for 1B on a GPU much faster than on the CPU
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        copy = type(model).from_config(model.config)
+    with torch.no_grad():
+        for param, weight in zip(copy.parameters(), weights, strict=True):
+            param.copy_(weight)
+    return copy.eval()
