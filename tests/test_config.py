@@ -1,6 +1,5 @@
 """Typed config: YAML + dotted overrides, and one-line errors for the mistakes users make."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,9 +87,12 @@ def test_range_checks(args, message):
     ("model.vae=no/such-folder", "cannot load the VAE from 'no/such-folder'"),
     ("model.pretrained=no/such-folder", "cannot load a pretrained transformer from 'no/such-folder'"),
 ])
-def test_unloadable_weights_give_one_line(tmp_path, override, message):
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), override, f"train.output_dir={tmp_path}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode != 0
-    assert message in proc.stderr.strip().splitlines()[-1]
+def test_unloadable_weights_give_one_line(override, message):
+    """train.py's loaders turn a failed load into a ConfigError, which its entry point prints as one line (as the
+    bad-key test above runs it)."""
+    import train
+
+    cfg = load_config([override])
+    with pytest.raises(ConfigError) as err:
+        train.build_dit(cfg, train.load_encoders(cfg, "cpu"))
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from imba.checkpoints import list_checkpoints, resolve_resume
+from imba.preemption import SIGNALS, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [
@@ -26,9 +27,23 @@ def logged_steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGUSR1", "SIGTERM"])
+def test_both_signals_are_caught_and_the_previous_handlers_restored(sig):
+    before = signal.getsignal(sig)
+    handler = PreemptionHandler()
+    try:
+        assert handler.received is None
+        os.kill(os.getpid(), sig)  # delivered to the main thread before kill returns
+        assert handler.received == sig
+    finally:
+        handler.restore()
+    assert signal.getsignal(sig) == before
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
-def test_signal_checkpoints_exits_75_and_resume_finishes(tmp_path, sig):
+def test_signal_checkpoints_exits_75_and_resume_finishes(tmp_path):
+    """End to end with SIGUSR1 (SLURM's --signal); SIGTERM reaches the same handler (test above)."""
+    sig = signal.SIGUSR1
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "train.py"), *RUN, f"train.output_dir={out}"]

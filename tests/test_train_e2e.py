@@ -46,13 +46,14 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
     assert "done: step 4" in first.stdout
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_0000002", "step_0000004"]
     assert ema_optimization_step(out / "checkpoints" / "step_0000004") == 4
-    # exporting that checkpoint later gives the same EMA transformer as the end-of-run export
-    run_train(["--export", str(out / "checkpoints" / "step_0000004"), str(tmp_path / "from_ckpt")], tmp_path)
-    from safetensors.torch import load_file
+    if loss_kind == "imba":  # once is enough (test_distributed exports a ZeRO-3 checkpoint the same way)
+        # exporting that checkpoint later gives the same EMA transformer as the end-of-run export
+        run_train(["--export", str(out / "checkpoints" / "step_0000004"), str(tmp_path / "from_ckpt")], tmp_path)
+        from safetensors.torch import load_file
 
-    at_end = load_file(out / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
-    later = load_file(tmp_path / "from_ckpt" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
+        at_end = load_file(out / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+        later = load_file(tmp_path / "from_ckpt" / "transformer" / "diffusion_pytorch_model.safetensors")
+        assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
 
     second = run_train([*common, "train.max_steps=6", "--resume", "latest"], tmp_path)
     assert f"resumed from {out / 'checkpoints' / 'step_0000004'} at step 4" in second.stdout
