@@ -11,6 +11,7 @@ log, checkpoint, sample grid, pre-emption) → export of a diffusers pipeline fo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -46,11 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def make_accelerator(cfg: Config, out: Path) -> Accelerator:
     trackers = [] if cfg.train.trackers == "none" else [t.strip() for t in cfg.train.trackers.split(",")]
-    if "tensorboard" in trackers:
-        try:
-            import tensorboard  # noqa: F401  (accelerate's tracker needs it; skip quietly when absent)
-        except ImportError:
-            trackers.remove("tensorboard")
+    if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
+        trackers.remove("tensorboard")  # accelerate's tracker needs it; skip quietly when absent
     # CPU multi-process runs (tests, debugging) need gloo, else DeepSpeed asks for oneCCL; naming a backend in a
     # single process would make accelerate expect a process group, so only when launched distributed
     distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -81,9 +79,10 @@ def concept_bucketer(cfg: Config, accelerator: Accelerator, shards: list[str], o
     path = cfg.train.concept_stats
     if path == "none" or (path == "auto" and cfg.data.shards):
         return None
-    if path == "auto":  # synthetic data: count its concepts once (a second or two)
+    if path == "auto":  # synthetic data: count its concepts (a second or two) once, and again when it is rewritten
         path = out / "concepts" / "concepts.json"
-        if accelerator.is_main_process and not path.is_file():
+        stale = not path.is_file() or path.stat().st_mtime < max(Path(s).stat().st_mtime for s in shards)
+        if accelerator.is_main_process and stale:
             write_stats(collect_stats(shards), path.parent)
         accelerator.wait_for_everyone()
     return CaptionBucketer.from_stats(path)

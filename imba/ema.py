@@ -81,6 +81,8 @@ class PartitionedEMA(EMAModel):
         return full
 
     def state_dict(self) -> dict:
+        # whole tensors on the CPU of every rank, briefly (accelerate writes the main process's copy, or each
+        # node's with save_on_each_node): 4 bytes per parameter, e.g. 4 GB per rank for the 1b preset
         return {**super().state_dict(), "shadow_params": self.full_tensors()}
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -93,3 +93,28 @@ def test_monitor_plot_reads_jsonl_and_draws(tmp_path):
     assert (tmp_path / "monitor.png").stat().st_size > 1000
     (tmp_path / "empty.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     assert plot_main([str(tmp_path / "empty.jsonl")]) == 2
+
+
+def test_auto_concept_stats_are_counted_again_when_the_synthetic_set_is_rewritten(tmp_path):
+    import os
+    from types import SimpleNamespace
+
+    import train
+    from data.synthetic import write_synthetic_shards
+    from imba.config import load_config
+
+    cfg = load_config([])  # concept_stats=auto on the synthetic set
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    stats = tmp_path / "concepts" / "concepts.json"
+
+    def counted(num_samples):
+        shards = write_synthetic_shards(tmp_path / "shards", num_samples=num_samples, resolution=32)
+        assert train.concept_bucketer(cfg, accelerator, shards, tmp_path) is not None
+        return json.loads(stats.read_text())["num_captions"]
+
+    assert counted(8) == 8
+    os.utime(stats, (1, 1))  # older than the shards (file times may be coarse): counted again
+    assert counted(8) == 8 and stats.stat().st_mtime > 1
+    first = stats.stat().st_mtime
+    assert counted(8) == 8 and stats.stat().st_mtime == first  # unchanged set: the file is reused
+    assert counted(12) == 12  # other settings rewrite the set, and the statistics follow
