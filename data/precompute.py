@@ -45,10 +45,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import glob
 import io
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -163,7 +165,30 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
 
 
 def _load_npy(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    """`np.load(..., allow_pickle=False)` of one member, with its header parsed once per distinct header: the
+    members of a set share a few dozen headers (one latent shape, one per caption length), and parsing them with
+    `np.load` took ~140 of the ~170 µs a sample's two arrays cost. Writable, like np.load's (a copy of `data`)."""
+    size_bytes = {1: 2, 2: 4}.get(data[6]) if len(data) > 10 and data[:6] == b"\x93NUMPY" else None
+    if size_bytes is None:  # not a version 1/2 .npy: np.load's checks and message
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    offset = 8 + size_bytes + int.from_bytes(data[8:8 + size_bytes], "little")
+    shape, fortran_order, dtype = _npy_header(data[:offset])
+    count = math.prod(shape)
+    if len(data) - offset != count * dtype.itemsize:
+        raise ValueError(f".npy member holds {len(data) - offset} data bytes, its header says {shape} {dtype}")
+    flat = np.frombuffer(bytearray(data), dtype=dtype, count=count, offset=offset)
+    return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_header(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
+    fp = io.BytesIO(header)
+    version = np.lib.format.read_magic(fp)
+    read = np.lib.format.read_array_header_1_0 if version[0] == 1 else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read(fp)
+    if dtype.hasobject:
+        raise ValueError(".npy member holds Python objects; only plain arrays are read (no pickle)")
+    return shape, fortran_order, dtype
 
 
 def text_to_numpy(states: torch.Tensor, text_dtype: str) -> np.ndarray:

@@ -81,3 +81,7 @@ def test_loader_throughput_smoke_mode_reports_consistent_rates_and_ratios(tmp_pa
         "raw tar read", "image loader (decode + resize)", "image loader (decode + resize)"]
     assert all(line.split("|")[7].strip() == "1.000×" for line in (table[0], table[3]))
     assert "WARM page cache" in out
+
+    # the .npy decoding comparison runs on the set the loader benchmark wrote
+    decode = run("npy_decode.py", "--precomputed", r["data"]["precomputed_dir"], "--rounds", "1", "--batches", "1")
+    assert "decode, µs per sample (2 arrays): np.load" in decode and "precomputed loader, 0 workers" in decode

@@ -416,3 +416,34 @@ def test_accelerate_launch_splits_shards_over_two_processes(inputs, reference, t
     assert "rank 0/2: wrote 3 shards" in proc.stdout and "rank 1/2: wrote 2 shards" in proc.stdout
     assert f"complete: {GOOD} samples in 5 shards" in proc.stdout
     assert_same_features(out, reference[0])
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(2 * 4 * 3 * 5, dtype=np.float16).reshape(2, 4, 3, 5),  # a latent
+    np.arange(7 * 6, dtype=np.uint16).reshape(7, 6),  # bf16 bits
+    np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
+    np.zeros((0, 6), np.float16),
+])
+@pytest.mark.parametrize("version", [(1, 0), (2, 0)])
+def test_npy_members_read_like_np_load_with_cached_headers(array, version):
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, version=version, allow_pickle=False)
+    data = buf.getvalue()
+    for _ in range(2):  # the second read takes the header from the cache
+        got = precompute._load_npy(data)
+        assert got.dtype == array.dtype and got.shape == array.shape and np.array_equal(got, array)
+        assert got.flags.writeable and got.flags.f_contiguous == array.flags.f_contiguous
+        got[...] = 0  # a copy: the member's bytes stay as they were
+    assert np.array_equal(precompute._load_npy(data), array)
+
+
+def test_bad_npy_members_raise_value_errors():
+    data = precompute._npy_bytes(np.ones((4, 5), np.float16))
+    with pytest.raises(ValueError, match="holds 38 data bytes, its header says"):
+        precompute._load_npy(data[:-2])  # truncated
+    objects = io.BytesIO()
+    np.save(objects, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="pickle"):
+        precompute._load_npy(objects.getvalue())
+    with pytest.raises(ValueError):
+        precompute._load_npy(b"not an array at all")
