@@ -108,14 +108,18 @@ def test_drop_mask_rate_and_validation():
         fn(z, z, z, drop=torch.tensor([1, 0]))
 
 
-def test_efficient_runs_one_grad_pass_and_a_no_grad_pass_of_the_kept_rows(setup):
-    dit, noised, cond, null = setup
-    passes = []
-
+def counting(dit, passes: list):
+    """The DiT's predict, recording (batch size, grad enabled) of every pass in `passes`."""
     def counting_predict(noisy, t, embeds, mask):
         passes.append((noisy.shape[0], torch.is_grad_enabled()))
         return predict(dit, noisy, t, embeds, mask)
+    return counting_predict
 
+
+def test_efficient_runs_one_grad_pass_and_a_no_grad_pass_of_the_kept_rows(setup):
+    dit, noised, cond, null = setup
+    passes = []
+    counting_predict = counting(dit, passes)
     drop = torch.tensor([True, False, True, False])
     TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
     assert passes == [(4, True), (2, False)]
@@ -131,11 +135,7 @@ def test_uniform_passes_run_the_no_grad_pass_on_every_row_and_give_the_same_loss
     """ZeRO-3 (every forward is a collective): the same passes whatever the batch draws, the same loss."""
     dit, noised, cond, null = setup
     passes = []
-
-    def counting_predict(noisy, t, embeds, mask):
-        passes.append((noisy.shape[0], torch.is_grad_enabled()))
-        return predict(dit, noisy, t, embeds, mask)
-
+    counting_predict = counting(dit, passes)
     uniform = TrainingLoss("imba", estimator="efficient", uniform_passes=True)
     for drop in (torch.tensor([True, False, True, False]), torch.ones(4, dtype=torch.bool)):
         passes.clear()
