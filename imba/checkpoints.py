@@ -30,6 +30,7 @@ import torch
 from accelerate import Accelerator
 
 from imba.config import ConfigError
+from imba.ema import is_partitioned
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -185,7 +186,7 @@ def parameter_digest(model: torch.nn.Module) -> str:
     Under ZeRO-3 the parameters are gathered first, a collective: call it on every rank."""
     params = list(model.parameters())
     gathered = contextlib.nullcontext()
-    if any(hasattr(p, "ds_id") for p in params):
+    if is_partitioned(params):
         import deepspeed
 
         gathered = deepspeed.zero.GatheredParameters(params)
