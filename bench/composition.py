@@ -1,4 +1,4 @@
-"""Synthetic composition benchmark: does IMBA help a DiT compose rare concept pairs? (issue 6; paper Tab. 1/3)
+"""Synthetic composition benchmark: does IMBA help a DiT compose rare concept pairs? (paper Tab. 1/3)
 
     python bench/composition.py                 # full: 7 variants × 3 seeds, evaluated at 2 lengths (≈ 50 min, 2 cores)
     python bench/composition.py --quick         # 1 seed, shorter (≈ 8 min)
@@ -14,7 +14,7 @@ diffusers EMA 0.999 with its default warm-up), and differs only in its loss:
 
 - plain:          MSE with 10 % caption dropout (the baseline)
 - imba_target:    IMBA, token level, D from the target (the paper's form), literal estimator
-- imba_cond:      IMBA, token level, D from the conditional prediction (unbiased optimum, DESIGN §1)
+- imba_cond:      IMBA, token level, D from the conditional prediction (unbiased optimum, docs/method.md)
 - imba_sample:    IMBA, one weight per sample (paper ablation), reference target
 - inverse_freq:   plain MSE re-weighted per sample by the inverse frequency of its concepts (offline re-balancing;
                   frequencies from data.concepts statistics over the training captions)
@@ -140,7 +140,7 @@ def run_one(job: dict) -> dict:
     from diffusers.training_utils import EMAModel
 
     from imba.objectives import RectifiedFlow
-    from imba.step import TrainingLoss
+    from imba.training_loss import TrainingLoss
     from models.dit import build_transformer, predict
 
     variant, seed, lengths = job["variant"], job["seed"], sorted(job["steps"])
@@ -285,42 +285,14 @@ def markdown_table(summary: dict, variants: list[str], seeds: int) -> str:
 
 
 def bar_plot(summary: dict, variants: list[str], path: Path) -> None:
-    """Grouped bars: one panel per length, one group per bucket, one bar per variant, whiskers = 95 % CI."""
-    from PIL import Image, ImageDraw
+    """Grouped bars: one panel per length, one group per bucket, one bar per variant, whiskers = 95 % CI
+    (imba.plots.plot_grouped_bars)."""
+    from imba.plots import plot_grouped_bars
 
-    palette = [(90, 90, 90), (214, 96, 77), (67, 147, 195), (146, 197, 222), (244, 165, 130), (120, 180, 90),
-               (150, 110, 200)]
-    lengths = sorted(summary)
-    panel_w, panel_h, top, left, bottom = 520, 300, 40, 50, 40
-    image = Image.new("RGB", (panel_w * len(lengths), panel_h + top + bottom + 20 * len(variants)), "white")
-    draw = ImageDraw.Draw(image)
-    for k, length in enumerate(lengths):
-        x0 = k * panel_w + left
-        draw.text((x0, 10), f"{length} training steps: composition success (%)", fill="black")
-        for tick in range(0, 101, 25):
-            y = top + panel_h - panel_h * tick / 100
-            draw.line((x0, y, x0 + panel_w - left - 20, y), fill=(225, 225, 225))
-            draw.text((x0 - 30, y - 6), str(tick), fill="black")
-        group_w = (panel_w - left - 20) / len(BUCKETS)
-        bar_w = group_w * 0.8 / len(variants)
-        for g, bucket in enumerate(BUCKETS):
-            gx = x0 + g * group_w + group_w * 0.1
-            draw.text((gx, top + panel_h + 6), bucket, fill="black")
-            for v, variant in enumerate(variants):
-                if variant not in summary[length]:
-                    continue
-                mean, ci = summary[length][variant][bucket]
-                bx = gx + v * bar_w
-                y = top + panel_h - panel_h * mean
-                draw.rectangle((bx, y, bx + bar_w - 2, top + panel_h), fill=palette[v % len(palette)])
-                cx = bx + bar_w / 2 - 1
-                lo, hi = max(0.0, mean - ci), min(1.0, mean + ci)
-                draw.line((cx, top + panel_h - panel_h * lo, cx, top + panel_h - panel_h * hi), fill="black")
-    for v, variant in enumerate(variants):
-        y = top + panel_h + bottom + 20 * v
-        draw.rectangle((left, y, left + 14, y + 12), fill=palette[v % len(palette)])
-        draw.text((left + 22, y), variant, fill="black")
-    image.save(path)
+    panels = {f"{length} training steps": {v: summary[length][v] for v in variants if v in summary[length]}
+              for length in sorted(summary)}
+    plot_grouped_bars(panels, BUCKETS, variants, path, ylabel="composition success (%)", scale=100, ylim=(0, 100),
+                      title="Composition success per pair bucket (mean over seeds, whiskers: 95 % CI)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.shards import image_to_tensor
+from data.images import image_to_tensor
 from data.synthetic import render_objects
 
 COLOURS = ("red", "blue", "green", "yellow", "purple")

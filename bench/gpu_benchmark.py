@@ -5,7 +5,7 @@ at a preset and resolution, bf16 autocast over fp32 master weights, AdamW (fused
 latents / timesteps / T5-shaped caption embeddings (no weights, no data loading, no VAE/T5, no EMA). Per mode:
 
     plain      one forward of B rows (10 % of captions replaced by the null caption) + backward + optimizer step
-    literal    IMBA literal (imba/step.py TrainingLoss): one forward of 2B rows (B conditional + B null) + backward + step
+    literal    IMBA literal (imba/training_loss.py TrainingLoss): one forward of 2B rows (B conditional + B null) + backward + step
     efficient  unbiased IMBA: one grad forward of B rows (kept rows conditional, dropped rows null caption) +
                one torch.no_grad() forward of the kept rows with the null caption (≈ 0.9 B) + backward + step
 
@@ -72,7 +72,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from imba.objectives import NoisedBatch  # noqa: E402
-from imba.step import TrainingLoss  # noqa: E402
+from imba.training_loss import TrainingLoss  # noqa: E402
 from models.dit import PRESETS, build_transformer, count_parameters, predict  # noqa: E402
 
 MODES = ("plain", "literal", "efficient")
@@ -277,7 +277,7 @@ class Bench:
                          null_e=null_e.expand(batch, -1, -1), null_mask=null_mask.expand(batch, -1))
 
     def loss(self, mode: str) -> torch.Tensor:
-        """The project's own per-batch loss (imba/step.py) for the mode."""
+        """The project's own per-batch loss (imba/training_loss.py) for the mode."""
         d = self.data
         b = d["x"].shape[0]
         # Rows [keep:] get the null caption. The rows are i.i.d. synthetic samples, so a fixed split stands in for a

@@ -57,9 +57,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data.indexed import load_or_build_index, make_indexed_loader  # noqa: E402
-from data.precompute import PrecomputeSettings, load_manifest, make_precomputed_loader, precompute_shards  # noqa: E402
-from data.shards import expand_urls  # noqa: E402
+from data.index import load_or_build_index  # noqa: E402
+from data.indexed import make_indexed_loader  # noqa: E402
+from data.precompute import PrecomputeSettings, precompute_shards  # noqa: E402
+from data.precomputed import load_manifest, make_precomputed_loader  # noqa: E402
+from data.urls import expand_urls  # noqa: E402
 from data.synthetic import write_synthetic_shards  # noqa: E402
 
 DEFAULTS = dict(samples=2000, samples_per_shard=250, resolution=256, batch_size=32, num_workers=[0, 2], repeats=5)

@@ -1,5 +1,5 @@
 """Side by side in one process: decoding precomputed `.npy` members with `np.load` against
-`data.precompute._load_npy` (headers parsed once per distinct header), per sample and through the whole loader.
+`data.precomputed.load_npy` (headers parsed once per distinct header), per sample and through the whole loader.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/npy_decode.py                 # the set bench/loader_throughput.py wrote
     OMP_NUM_THREADS=1 .venv/bin/python bench/npy_decode.py --precomputed DIR --rounds 7
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data.precompute as precompute  # noqa: E402
+import data.precomputed as precomputed  # noqa: E402
 
 DEFAULT_GLOB = "outputs/loader_throughput/*-precomputed"
 
@@ -38,7 +38,7 @@ def decode_us_per_sample(members: list[bytes], decode) -> float:
 
 
 def loader_samples_per_s(shards: list[str], manifest: dict, batches: int) -> float:
-    loader = precompute.make_precomputed_loader(shards, 32, 0, 0, 0, 1, 0, manifest=manifest)
+    loader = precomputed.make_precomputed_loader(shards, 32, 0, 0, 0, 1, 0, manifest=manifest)
     count, start = 0, time.perf_counter()
     for i, batch in enumerate(loader):
         count += batch["text_embeds"].shape[0]
@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"no precomputed set under {DEFAULT_GLOB}: run bench/loader_throughput.py first, or pass --precomputed")
     folder = folders[0].rstrip("/")
     shards = sorted(glob.glob(f"{folder}/*.tar"))
-    manifest = precompute.find_manifest(folder + "/")
+    manifest = precomputed.find_manifest(folder + "/")
     with tarfile.open(shards[0]) as tar:
         members = [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".npy")]
 
-    cached = precompute._load_npy
+    cached = precomputed.load_npy
     decoders = {"np.load": np_load, "cached header": cached}
     decode = {name: [] for name in decoders}
     loader = {name: [] for name in decoders}
@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for name, fn in decoders.items():
                 decode[name].append(decode_us_per_sample(members, fn))
-                precompute._load_npy = fn  # what the loader's sample decoder calls
+                precomputed.load_npy = fn  # what the loader's sample decoder calls
                 loader[name].append(loader_samples_per_s(shards, manifest, args.batches))
     finally:
-        precompute._load_npy = cached
+        precomputed.load_npy = cached
     d = {k: statistics.median(v) for k, v in decode.items()}
     r = {k: statistics.median(v) for k, v in loader.items()}
     print(f"{folder}: {len(members)} members of {Path(shards[0]).name}; medians of {args.rounds} interleaved rounds")

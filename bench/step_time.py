@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imba.objectives import RectifiedFlow  # noqa: E402
-from imba.step import TrainingLoss  # noqa: E402
+from imba.training_loss import TrainingLoss  # noqa: E402
 from models.dit import build_transformer, count_parameters, predict  # noqa: E402
 
 MODES = {

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
-from .shards import resize_cover_crop
+from .images import resize_cover_crop
 
 __all__ = ["bucket_sizes", "assign_buckets", "nearest_bucket", "resize_to_bucket"]
 

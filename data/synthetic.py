@@ -13,15 +13,19 @@ whose stream is stable across Python versions. Tar members are written with a fi
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
 import os
 import random
-from typing import Any
+from typing import Any, BinaryIO
 
 import webdataset as wds
 from PIL import Image, ImageDraw
+
+from .concepts.text import with_article
+from .files import atomic_write, read_json_object, write_json
 
 __all__ = [
     "SHAPES",
@@ -97,13 +101,9 @@ def _uniform(rng: random.Random, lo: float, hi: float) -> float:
     return lo + (hi - lo) * rng.random()
 
 
-def _with_article(phrase: str) -> str:
-    return ("an " if phrase[0] in "aeiou" else "a ") + phrase
-
-
 def caption_for(objects: list[dict[str, Any]]) -> str:
     """Caption naming the objects in order: "a red circle", "a red circle and an orange square"."""
-    return " and ".join(_with_article(f"{o['colour']} {o['shape']}") for o in objects)
+    return " and ".join(with_article(f"{o['colour']} {o['shape']}") for o in objects)
 
 
 def _boxes_apart(a: tuple[float, ...], b: tuple[float, ...], gap: float) -> bool:
@@ -209,12 +209,8 @@ def _params(num_samples: int, samples_per_shard: int, resolution: int, seed: int
 
 def _existing_set(out_dir: str, params: dict[str, Any]) -> list[str] | None:
     """Shard paths if `out_dir` holds a complete set written with `params`, else None."""
-    try:
-        with open(os.path.join(out_dir, MANIFEST_NAME)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in params.items()):
+    manifest = read_json_object(os.path.join(out_dir, MANIFEST_NAME))
+    if manifest is None or any(manifest.get(k) != v for k, v in params.items()):
         return None
     paths = []
     for shard in manifest.get("shards", []):
@@ -225,15 +221,26 @@ def _existing_set(out_dir: str, params: dict[str, Any]) -> list[str] | None:
     return paths or None
 
 
-def _atomic_write_bytes(path: str, payload: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def _write_shard(f: BinaryIO, indices: range, seed: int, resolution: int, bar: Any = None) -> None:
+    """Samples `indices` as one tar written into `f` (members in a fixed order, mtime 0: reproducible bytes)."""
+    with wds.TarWriter(f, encoder=False, compress=False, mtime=0) as writer:
+        for index in indices:
+            img, caption, objects = make_sample(index, seed=seed, resolution=resolution)
+            key = f"{index:09d}"
+            png = io.BytesIO()
+            img.save(png, format="PNG")
+            meta = {"key": key, "caption": caption, "width": resolution, "height": resolution}
+            meta["objects"] = objects
+            writer.write(
+                {
+                    "__key__": key,
+                    "png": png.getvalue(),
+                    "txt": caption.encode("utf-8"),
+                    "json": json.dumps(meta, sort_keys=True).encode("utf-8"),
+                }
+            )
+            if bar is not None:
+                bar.update(1)
 
 
 def write_synthetic_shards(
@@ -278,41 +285,19 @@ def write_synthetic_shards(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=num_samples, desc=f"synthetic shards -> {out_dir}", unit="img")
+
     shards = []
     try:
         for shard_index, name in enumerate(names):
             path = os.path.join(out_dir, name)
-            tmp = f"{path}.tmp{os.getpid()}"
             start = shard_index * samples_per_shard
             stop = min(num_samples, start + samples_per_shard)
-            try:
-                with open(tmp, "wb") as f, wds.TarWriter(f, encoder=False, compress=False, mtime=0) as writer:
-                    for index in range(start, stop):
-                        img, caption, objects = make_sample(index, seed=seed, resolution=resolution)
-                        key = f"{index:09d}"
-                        png = io.BytesIO()
-                        img.save(png, format="PNG")
-                        meta = {"key": key, "caption": caption, "width": resolution, "height": resolution}
-                        meta["objects"] = objects
-                        writer.write(
-                            {
-                                "__key__": key,
-                                "png": png.getvalue(),
-                                "txt": caption.encode("utf-8"),
-                                "json": json.dumps(meta, sort_keys=True).encode("utf-8"),
-                            }
-                        )
-                        if bar is not None:
-                            bar.update(1)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            atomic_write(path, functools.partial(_write_shard, indices=range(start, stop), seed=seed,
+                                                  resolution=resolution, bar=bar))
             shards.append({"name": name, "size": os.path.getsize(path), "num_samples": stop - start})
     finally:
         if bar is not None:
             bar.close()
 
-    manifest = dict(params, shards=shards)
-    _atomic_write_bytes(manifest_path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    write_json(manifest_path, dict(params, shards=shards))
     return [os.path.join(out_dir, s["name"]) for s in shards]

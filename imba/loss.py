@@ -6,7 +6,7 @@ Both losses take plain tensors, so they can be dropped into any diffusion traini
     loss, stats = loss_fn(pred_cond, pred_uncond, target)
 
 Shapes are (B, C, H, W) latents; a *token* is one DiT patch: a patch_size × patch_size square of latent pixels
-across all channels. The method, as this project implements it (see DESIGN §1):
+across all channels. The method, as this project implements it (docs/method.md):
 
     d   = per-token distance between the reference (target, or the conditional prediction) and pred_uncond
     D   = stopgrad(d) ** gamma                      (optionally normalised by its batch mean)
@@ -28,9 +28,17 @@ REFERENCES = ("target", "cond")
 NORMALIZATIONS = ("none", "batch_mean")
 
 
+class LossSettingError(ValueError):
+    """A loss setting outside what it accepts; `setting` names it, `problem` says what it must be."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"IMBALoss: {setting} {problem}")
+        self.setting, self.problem = setting, problem
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"IMBALoss: {name}={value!r} is not one of {', '.join(choices)}")
+        raise LossSettingError(name, f"must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +77,7 @@ class IMBALoss:
     granularity: "token" (one weight per patch) or "sample" (one weight per sample: mean of d over its tokens).
     distance:    "mse" (mean square over the token's values), "l1" (mean absolute) or "l2" (Euclidean norm).
     reference:   "target" (the paper's form: distance from the regression target) or "cond" (distance from the
-                 detached conditional prediction; keeps the optimum at the true conditional mean, see DESIGN §1).
+                 detached conditional prediction; keeps the optimum at the true conditional mean, docs/method.md).
     normalize:   "none" or "batch_mean" (divide D by its mean over the batch, so the loss scale stays put).
     """
 
@@ -87,11 +95,11 @@ class IMBALoss:
         _check_choice("reference", self.reference, REFERENCES)
         _check_choice("normalize", self.normalize, NORMALIZATIONS)
         if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"IMBALoss: lam={self.lam} must lie in [0, 1]")
+            raise LossSettingError("lam", f"must lie in [0, 1], got {self.lam}")
         if self.gamma < 0:
-            raise ValueError(f"IMBALoss: gamma={self.gamma} must be >= 0")
+            raise LossSettingError("gamma", f"must be >= 0, got {self.gamma}")
         if self.patch_size < 1:
-            raise ValueError(f"IMBALoss: patch_size={self.patch_size} must be >= 1")
+            raise LossSettingError("patch_size", f"must be >= 1, got {self.patch_size}")
 
     def weights(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
                 valid: torch.Tensor | None = None):

@@ -94,9 +94,11 @@ class RectifiedFlow:
         )
 
 
+OBJECTIVES = {"flow": RectifiedFlow, "ddpm": DDPMEpsilon}
+
+
 def build_objective(name: str, **kwargs):
     """'ddpm' or 'flow' → an objective; kwargs are passed to its constructor."""
-    objectives = {"ddpm": DDPMEpsilon, "flow": RectifiedFlow}
-    if name not in objectives:
-        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(objectives)}")
-    return objectives[name](**kwargs)
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(sorted(OBJECTIVES))}")
+    return OBJECTIVES[name](**kwargs)

@@ -1,10 +1,10 @@
 """The frozen encoders of a run (tokenizer + T5, VAE) behind the small interface the training loop uses.
 
-`data.precompute.PrecomputedFeatures` has the same interface for shards that already hold the VAE moments and T5
+`data.precomputed.PrecomputedFeatures` has the same interface for shards that already hold the VAE moments and T5
 states, so the loop does not care which one it has:
 
     latent_channels, caption_channels, vae_scale     sizes the DiT
-    features(batch, device) -> (latents, (embeds, mask))
+    encode_batch(batch, device) -> (latents, (embeds, mask))
     null_like(batch_size)   -> (embeds, mask) of the empty caption
 """
 
@@ -14,6 +14,9 @@ import torch
 
 from models.text_encoder import TextConditioner, load_text_encoder
 from models.vae import encode_images, load_vae, vae_scale_factor
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # of the frozen encoders
 
 
 class FrozenEncoders:
@@ -32,7 +35,7 @@ class FrozenEncoders:
         vae_model = load_vae(vae, vae_subfolder, dtype=dtype)
         return cls(tokenizer, t5.to(device), vae_model.to(device), max_text_tokens)
 
-    def features(self, batch: dict, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def encode_batch(self, batch: dict, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         return encode_images(self.vae, batch["pixels"].to(device)), self.text.encode(batch["captions"])
 
     def null_like(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,11 @@ from diffusers import PixArtAlphaPipeline
 from PIL import Image
 
 
+def is_pipeline_folder(folder: Path) -> bool:
+    """True for a folder `save_pretrained` wrote completely (`model_index.json` is written last)."""
+    return (Path(folder) / "model_index.json").is_file()
+
+
 def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler) -> PixArtAlphaPipeline:
     pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                                scheduler=scheduler)
@@ -83,8 +88,7 @@ def export_pipeline(pipe: PixArtAlphaPipeline, folder: Path) -> Path:
 
 def save_grid(transformer, parts: dict, path: Path, prompts: list[str], resolution: int, guidance_scale: float,
               steps: int, seed: int, max_text_tokens: int) -> None:
-    """A grid of `prompts` sampled from `transformer` (during training: the EMA weights' copy,
-    `imba.ema.ema_weights_copy`). `parts`: vae, text_encoder, tokenizer, scheduler."""
+    """A grid of `prompts` sampled from `transformer`. `parts`: vae, text_encoder, tokenizer, scheduler."""
     images = sample_images(build_pipeline(transformer=transformer, **parts), prompts, resolution, guidance_scale,
                            steps, seed, max_text_tokens)
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -6,15 +6,16 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 
 import pytest
 from PIL import Image
 
-import data.shards as shards_module
+import data.skips as skips_module
+from data.decode import sample_caption, sample_image
 from data.indexed import IndexedShards, make_indexed_loader
-from data.shards import BadSample, make_image_text_loader, sample_caption, sample_image
-from imba.config import ConfigError, load_config
+from data.skips import BadSample
+from data.streaming import make_image_text_loader
+from imba.training.config import ConfigError, load_config
 from shard_helpers import HOSTILE_MIN_SIZE, encode, write_hostile_shards, write_tar
 
 RES = 8
@@ -156,7 +157,7 @@ def test_caption_reasons():
 
 
 def test_periodic_summary_is_logged(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(shards_module, "SUMMARY_EVERY_S", 0.0)
+    monkeypatch.setattr(skips_module, "SUMMARY_EVERY_S", 0.0)
     hostile = write_hostile_shards(tmp_path / "shards")
     caplog.set_level(logging.WARNING)
     loader = streaming_pass(hostile["shards"][:1])

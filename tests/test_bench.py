@@ -85,3 +85,12 @@ def test_loader_throughput_smoke_mode_reports_consistent_rates_and_ratios(tmp_pa
     # the .npy decoding comparison runs on the set the loader benchmark wrote
     decode = run("npy_decode.py", "--precomputed", r["data"]["precomputed_dir"], "--rounds", "1", "--batches", "1")
     assert "decode, µs per sample (2 arrays): np.load" in decode and "precomputed loader, 0 workers" in decode
+
+
+@pytest.mark.slow
+def test_toy2d_experiment_runs_as_a_script_from_the_repo_root(tmp_path):
+    out = run("toy2d.py", "--steps", "2", "--seeds", "0", "--variants", "plain_balanced", "imba_cond",
+              "--plot-samples", "50", "--out-dir", str(tmp_path))
+    assert "| steps | plain_balanced | imba_cond |" in out
+    assert "python bench/toy2d.py" in (tmp_path / "toy2d_results.md").read_text()
+    assert (tmp_path / "toy2d.png").stat().st_size > 1000

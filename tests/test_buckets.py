@@ -16,9 +16,12 @@ from diffusers import PixArtTransformer2DModel
 from PIL import Image
 
 from data.buckets import assign_buckets, bucket_sizes, nearest_bucket, resize_to_bucket
-from data.indexed import INDEX_VERSION, BucketBatchSampler, load_or_build_index, make_indexed_loader
-from data.shards import image_to_tensor, resize_center_crop, sample_image, to_rgb
-from imba.config import ConfigError, load_config
+from data.decode import sample_image
+from data.images import image_to_tensor, resize_center_crop, to_rgb
+from data.index import INDEX_VERSION, load_or_build_index
+from data.indexed import make_indexed_loader
+from data.order import BucketBatchSampler
+from imba.training.config import ConfigError, load_config
 from models.dit import build_transformer, predict
 from shard_helpers import encode, write_tar
 
@@ -236,14 +239,14 @@ def test_exact_resume_across_epochs_and_ranks(shards):
         assert bpe == 5  # 10 full batches over 2 ranks
         full = list(itertools.islice(loader, 3 * bpe + 3))  # epochs 0, 1, 2 and the start of 3
         for start in (1, bpe - 1, bpe, bpe + 1, 2 * bpe + 3):
-            resumed = list(itertools.islice(make_indexed_loader(folder, rank=rank, start_batch=start, **args), 3))
+            resumed = list(itertools.islice(make_indexed_loader(folder, rank=rank, batches_done=start, **args), 3))
             assert [b["keys"] for b in resumed] == [b["keys"] for b in full[start : start + 3]], (rank, start)
             assert all(torch.equal(a["pixels"], b["pixels"]) for a, b in zip(resumed, full[start:]))
 
 
 def test_workers_give_the_same_batches(shards):
     folder, *_ = shards
-    args = dict(resolution=RES, batch_size=BATCH, seed=2, bucketing=True, start_batch=8)
+    args = dict(resolution=RES, batch_size=BATCH, seed=2, bucketing=True, batches_done=8)
     single = list(itertools.islice(make_indexed_loader(folder, num_workers=0, **args), 5))  # crosses an epoch
     two = list(itertools.islice(make_indexed_loader(folder, num_workers=2, **args), 5))
     assert [b["keys"] for b in two] == [b["keys"] for b in single]

@@ -93,6 +93,18 @@ def test_summary_averages_pairs_within_buckets_then_seeds():
     assert "| plain | 100.0 ± 0.0 | 100.0 ± 0.0 | 30.0 ± " in table
 
 
+def test_bar_plot_draws_one_panel_per_length_and_rejects_an_empty_summary(tmp_path):
+    from PIL import Image
+
+    cells = {b: (0.5, 0.1) for b in composition.BUCKETS}
+    summary = {100: {"plain": cells, "imba_cond": cells}, 200: {"plain": cells}}
+    composition.bar_plot(summary, ["plain", "imba_cond"], tmp_path / "composition.png")
+    with Image.open(tmp_path / "composition.png") as img:
+        assert img.format == "PNG" and img.size == (2 * 620 + 220, 520)
+    with pytest.raises(ValueError, match="nothing to draw"):
+        composition.bar_plot({}, ["plain"], tmp_path / "none.png")
+
+
 @pytest.mark.slow
 def test_oracle_reads_fresh_renders_at_least_98_percent():
     _, report = train_oracle()

@@ -1,4 +1,4 @@
-"""Concept statistics (data/concepts.py): extraction, counts from shards and caption files, buckets, NPMI,
+"""Concept statistics (data/concepts/): extraction, counts from shards and caption files, buckets, NPMI,
 outputs, the inert-concept benchmark builder and the synthetic set's long tail."""
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def test_benchmark_builder_is_deterministic_and_names_its_concepts(tmp_path, cap
     for p in a:
         first, second = p["concepts"]
         assert first != second and first in p["prompt"] and second in p["prompt"]
-        assert p["prompt"] == p["template"].format(a=C._noun_phrase(first), b=C._noun_phrase(second))
+        assert p["prompt"] == p["template"].format(a=C.noun_phrase(first), b=C.noun_phrase(second))
         assert p["buckets"] == [counts[first]["bucket"], counts[second]["bucket"]]
         assert p["template"] in C.TEMPLATES
     for pair in {frozenset(p["concepts"]) for p in a}:  # 4 distinct templates per pair
@@ -339,8 +339,8 @@ def test_benchmark_builder_is_deterministic_and_names_its_concepts(tmp_path, cap
 
 
 def test_articles_in_prompts():
-    assert C._noun_phrase("apple") == "an apple" and C._noun_phrase("unicorn") == "a unicorn"
-    assert C._noun_phrase("water") == "some water" and C._noun_phrase("jeans") == "a pair of jeans"
+    assert C.noun_phrase("apple") == "an apple" and C.noun_phrase("unicorn") == "a unicorn"
+    assert C.noun_phrase("water") == "some water" and C.noun_phrase("jeans") == "a pair of jeans"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from imba.config import ConfigError, load_config, save_config
+from imba.training.config import ConfigError, load_config, save_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,11 +88,11 @@ def test_range_checks(args, message):
     ("model.pretrained=no/such-folder", "cannot load a pretrained transformer from 'no/such-folder'"),
 ])
 def test_unloadable_weights_give_one_line(override, message):
-    """train.py's loaders turn a failed load into a ConfigError, which its entry point prints as one line (as the
-    bad-key test above runs it)."""
-    import train
+    """The run's loaders turn a failed load into a ConfigError, which train.py's entry point prints as one line (as
+    the bad-key test above runs it)."""
+    from imba.training.build import build_dit, load_encoders
 
     cfg = load_config([override])
     with pytest.raises(ConfigError) as err:
-        train.build_dit(cfg, train.load_encoders(cfg, "cpu"))
+        build_dit(cfg, load_encoders(cfg, "cpu"))
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -1,5 +1,6 @@
-"""data/indexed.py: the shard index and its cache, random access, the (seed, epoch)-pure order, rank splitting,
-exact resume, worker-independent order and bad-sample substitution, on real tar files."""
+"""data/index.py, data/order.py, data/indexed.py: the shard index and its cache, random access, the (seed,
+epoch)-pure order, rank splitting, exact resume, worker-independent order and bad-sample substitution, on real tar
+files."""
 
 from __future__ import annotations
 
@@ -16,17 +17,12 @@ import pytest
 import torch
 from PIL import Image
 
-import data.indexed as indexed
+import data.index as index_module
 from shard_helpers import encode, write_tar
-from data.indexed import (
-    IndexedBatchSampler,
-    IndexedShards,
-    batches_per_epoch,
-    feistel_permute,
-    load_or_build_index,
-    make_indexed_loader,
-)
-from data.shards import image_to_tensor, resize_center_crop
+from data.images import image_to_tensor, resize_center_crop
+from data.index import load_or_build_index
+from data.indexed import IndexedShards, make_indexed_loader
+from data.order import IndexedBatchSampler, batches_per_epoch, feistel_permute
 from data.synthetic import write_synthetic_shards
 
 RES = 16
@@ -117,9 +113,9 @@ def test_index_is_cached_and_rebuilt_when_a_shard_changes(tmp_path, monkeypatch)
     assert listed == [(os.path.abspath(p), n) for p, n in zip(paths, [10, 10, 5])]
     assert os.path.dirname(first.path) == str(cache) and not list(shards.glob("imba-index-*"))
 
-    real_scan = indexed._scan_tar
+    real_scan = index_module._scan_tar
     scanned = []
-    monkeypatch.setattr(indexed, "_scan_tar", lambda path: scanned.append(path) or real_scan(path))
+    monkeypatch.setattr(index_module, "_scan_tar", lambda path: scanned.append(path) or real_scan(path))
     again = load_or_build_index(str(shards), index_dir=cache)
     assert scanned == [] and again.rescanned == [] and again.nsamples == [10, 10, 5]
 
@@ -254,12 +250,12 @@ def test_exact_resume_across_epochs_and_ranks(synth, shard_window):
     for rank in range(3):
         full = keys_of(make_indexed_loader(folder, rank=rank, **args), 8)  # 3 batches per epoch: epochs 0, 1, 2
         for k in (1, 2, 3, 5):
-            resumed = make_indexed_loader(folder, rank=rank, start_batch=k, **args)
+            resumed = make_indexed_loader(folder, rank=rank, batches_done=k, **args)
             assert keys_of(resumed, 8 - k) == full[k:], (rank, k)
-    # resume at step s with grad_accum g: start_batch = s * g
+    # resume at step s with grad_accum g: batches_done = s * g
     step, grad_accum = 2, 2
     full = list(itertools.islice(make_indexed_loader(folder, rank=1, **args), 7))
-    resumed = list(itertools.islice(make_indexed_loader(folder, rank=1, start_batch=step * grad_accum, **args), 3))
+    resumed = list(itertools.islice(make_indexed_loader(folder, rank=1, batches_done=step * grad_accum, **args), 3))
     for a, b in zip(full[4:], resumed):
         assert a["keys"] == b["keys"] and a["captions"] == b["captions"] and torch.equal(a["pixels"], b["pixels"])
 
@@ -269,14 +265,14 @@ def test_resume_does_not_decode_skipped_samples(synth, monkeypatch):
     decoded = []
     real = IndexedShards.raw
     monkeypatch.setattr(IndexedShards, "raw", lambda self, i: decoded.append(i) or real(self, i))
-    loader = make_indexed_loader(folder, RES, batch_size=4, start_batch=1000)
+    loader = make_indexed_loader(folder, RES, batch_size=4, batches_done=1000)
     batch = next(iter(loader))
     assert len(decoded) == 4 and batch["keys"] == [loader.dataset[i]["key"] for i in loader.sampler.batch_indices(1000)]
 
 
 def test_workers_give_the_same_order_as_in_process(synth):
     folder, _ = synth
-    args = dict(resolution=RES, batch_size=4, seed=11, world_size=2, rank=1, start_batch=2)
+    args = dict(resolution=RES, batch_size=4, seed=11, world_size=2, rank=1, batches_done=2)
     single = list(itertools.islice(make_indexed_loader(folder, num_workers=0, **args), 7))  # crosses an epoch
     two = list(itertools.islice(make_indexed_loader(folder, num_workers=2, **args), 7))
     assert [b["keys"] for b in two] == [b["keys"] for b in single]
@@ -324,7 +320,7 @@ def test_all_bad_fails_with_one_line(tmp_path):
 def test_index_cache_falls_back_when_the_shard_folder_is_not_writable(synth, tmp_path, monkeypatch):
     folder = tmp_path / "ro"
     shutil.copytree(synth[0], folder, ignore=shutil.ignore_patterns("imba-index-*"))
-    real_write = indexed._write_index
+    real_write = index_module._write_index
     refused = {str(folder)}
 
     def write(where, *args):
@@ -332,7 +328,7 @@ def test_index_cache_falls_back_when_the_shard_folder_is_not_writable(synth, tmp
             raise PermissionError(13, "Permission denied", where)
         return real_write(where, *args)
 
-    monkeypatch.setattr(indexed, "_write_index", write)
+    monkeypatch.setattr(index_module, "_write_index", write)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     index = load_or_build_index(str(folder))
     assert index.path.startswith(str(tmp_path / "xdg")) and len(index) == 37

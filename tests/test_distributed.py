@@ -1,6 +1,6 @@
 """Real 2-process runs over gloo on CPU: DDP, DeepSpeed ZeRO-2 and ZeRO-3.
 
-Each test asserts the world size it really got (DESIGN pitfall: `accelerate launch --cpu --num_processes 2` quietly
+Each test asserts the world size it really got (a known pitfall: `accelerate launch --cpu --num_processes 2` quietly
 starts one process), that both ranks end with bitwise-identical parameters, and that stopping at a checkpoint and
 resuming reproduces the uninterrupted run exactly: same per-step losses, same final parameters. Checkpoints also
 resume on another process count: DDP as they are, ZeRO-2/3 through DeepSpeed's universal format. ZeRO-3 (parameters
@@ -21,8 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imba.checkpoints import prepare_world_size_change
-from imba.config import ConfigError
+from imba.training.checkpoints import load_ema_state
+from imba.training.resume import prepare_world_size_change
+from imba.training.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [
@@ -96,7 +97,7 @@ def full_runs(tmp_path_factory):
 
 
 def ema_state(checkpoint: Path) -> dict:
-    return torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False)
+    return load_ema_state(checkpoint)
 
 
 def copy_checkpoint(run: Path, step: int, dest: Path) -> Path:

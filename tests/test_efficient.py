@@ -12,7 +12,7 @@ import torch
 
 from imba import IMBALoss
 from imba.objectives import build_objective
-from imba.step import TrainingLoss
+from imba.training_loss import TrainingLoss
 from models.dit import build_transformer, predict
 
 B = 4
@@ -131,12 +131,12 @@ def test_efficient_runs_one_grad_pass_and_a_no_grad_pass_of_the_kept_rows(setup)
     assert passes == [(8, True)]
 
 
-def test_uniform_passes_run_the_no_grad_pass_on_every_row_and_give_the_same_loss(setup):
+def test_same_passes_on_every_rank_run_the_no_grad_pass_on_every_row_and_give_the_same_loss(setup):
     """ZeRO-3 (every forward is a collective): the same passes whatever the batch draws, the same loss."""
     dit, noised, cond, null = setup
     passes = []
     counting_predict = counting(dit, passes)
-    uniform = TrainingLoss("imba", estimator="efficient", uniform_passes=True)
+    uniform = TrainingLoss("imba", estimator="efficient", same_passes_on_every_rank=True)
     for drop in (torch.tensor([True, False, True, False]), torch.ones(4, dtype=torch.bool)):
         passes.clear()
         loss, _ = uniform(counting_predict, noised, cond, null, drop=drop)

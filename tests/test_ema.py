@@ -1,4 +1,4 @@
-"""The EMA for whole and ZeRO-3-partitioned parameters (`imba.ema`).
+"""The EMA for whole and ZeRO-3-partitioned parameters (`imba.training.ema`).
 
 The partitioned case runs a real DeepSpeed ZeRO-3 engine in two processes over gloo, on parameters whose sizes are
 odd (so the last rank's slice is padded), and checks the gathered EMA against diffusers' `EMAModel` fed the whole
@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers.training_utils import EMAModel
 
-from imba.ema import PartitionedEMA, ema_weights_copy, make_ema
+from imba.training.ema import PartitionedEMA, ema_weights_copy, make_ema
 from models.dit import build_transformer
 
 

@@ -79,7 +79,7 @@ def tiny_llava(folder):
 
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
-    """A folder as models.sample writes it: 4 images of 2 benchmark prompts + 1 image of a binding prompt."""
+    """A folder as imba.training.sample writes it: 4 images of 2 benchmark prompts + 1 image of a binding prompt."""
     folder = tmp_path_factory.mktemp("samples")
     (folder / "images").mkdir()
     rng = np.random.default_rng(0)
@@ -336,7 +336,7 @@ def test_vqa_runner_end_to_end(samples, tmp_path, capsys):
 
 
 def test_runner_needs_a_manifest_and_skips_missing_images(samples, tmp_path, capsys):
-    with pytest.raises(EvalError, match="no manifest.jsonl in .*written by python -m models.sample"):
+    with pytest.raises(EvalError, match="no manifest.jsonl in .*written by python -m imba.training.sample"):
         prepare_rows(tmp_path)
     # a copy of the samples with one image gone: evaluated on the rest, the gap reported
     copy = tmp_path / "copy"

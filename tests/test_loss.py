@@ -10,7 +10,7 @@ from imba import IMBALoss, patchify, plain_loss
 
 def reference_imba(pred_c, pred_u, tgt, gamma, lam, p, granularity="token", distance="mse",
                    reference="target", normalize="none"):
-    """Explicit loops over samples and tokens, straight from DESIGN §1."""
+    """Explicit loops over samples and tokens, straight from the formulas in docs/method.md."""
     b, c, h, w = tgt.shape
     ref = tgt if reference == "target" else pred_c
     weights, cond_errs, dists = [], [], []

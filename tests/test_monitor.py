@@ -8,10 +8,11 @@ import torch
 import pytest
 
 from imba.loss import IMBALoss
-from imba.monitor import BucketMonitor, JsonlLogger, MetricWindow
+from imba.monitor import BucketMonitor
 from imba.monitor_plot import main as plot_main
 from imba.monitor_plot import read_monitor
-from imba.step import TrainingLoss
+from imba.training.metrics import JsonlLogger, MetricWindow
+from imba.training_loss import TrainingLoss
 
 
 def test_window_averages_scalars_skips_vectors_and_clears():
@@ -95,13 +96,24 @@ def test_monitor_plot_reads_jsonl_and_draws(tmp_path):
     assert plot_main([str(tmp_path / "empty.jsonl")]) == 2
 
 
+def test_monitor_plot_out_has_one_panel_per_stat(tmp_path):
+    from PIL import Image
+
+    rows = [{"step": s, "monitor/distance_head": 0.1 * s, "monitor/loss_cond_tail": 1.0 / s} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_main([str(tmp_path / "metrics.jsonl"), "--out", str(tmp_path / "fig6.png")]) == 0
+    with Image.open(tmp_path / "fig6.png") as img:
+        assert img.format == "PNG" and img.size == (2 * 560, 440)
+    assert plot_main([str(tmp_path / "missing.jsonl")]) == 2
+
+
 def test_auto_concept_stats_are_counted_again_when_the_synthetic_set_is_rewritten(tmp_path):
     import os
     from types import SimpleNamespace
 
-    import train
     from data.synthetic import write_synthetic_shards
-    from imba.config import load_config
+    from imba.training.config import load_config
+    from imba.training.inputs import concept_bucketer
 
     cfg = load_config([])  # concept_stats=auto on the synthetic set
     accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
@@ -109,7 +121,7 @@ def test_auto_concept_stats_are_counted_again_when_the_synthetic_set_is_rewritte
 
     def counted(num_samples):
         shards = write_synthetic_shards(tmp_path / "shards", num_samples=num_samples, resolution=32)
-        assert train.concept_bucketer(cfg, accelerator, shards, tmp_path) is not None
+        assert concept_bucketer(cfg, accelerator, shards, tmp_path) is not None
         return json.loads(stats.read_text())["num_captions"]
 
     assert counted(8) == 8

@@ -1,6 +1,6 @@
-"""data/precompute.py: precomputed VAE moments and T5 states round-trip against the live encoders, interrupted and
-split runs produce the same shards as one clean run, and the loader over them keeps the indexed reader's exact
-resume and equal batches per rank. Tiny random VAE/T5, real tar shards, no download."""
+"""data/precompute.py, data/precomputed.py: precomputed VAE moments and T5 states round-trip against the live
+encoders, interrupted and split runs produce the same shards as one clean run, and the loader over them keeps the
+indexed reader's exact resume and equal batches per rank. Tiny random VAE/T5, real tar shards, no download."""
 
 from __future__ import annotations
 
@@ -22,16 +22,16 @@ from accelerate import PartialState
 from PIL import Image
 
 import data.precompute as precompute
+import data.precomputed as precomputed
 from data.indexed import IndexedShards
-from data.precompute import (
+from data.precompute import PrecomputeSettings, precompute_shards
+from data.precomputed import (
     MANIFEST_NAME,
     PrecomputedShards,
-    PrecomputeSettings,
     check_manifest,
     load_manifest,
     load_null_text,
     make_precomputed_loader,
-    precompute_shards,
     sample_latents,
 )
 from data.synthetic import write_synthetic_shards
@@ -329,9 +329,9 @@ def test_loader_resumes_exactly_with_equal_batches_per_rank(reference):
     assert len(epoch0) == len(set(epoch0)) == 24  # ranks are disjoint within an epoch
     for rank in range(3):
         for start in (1, 4, 5):
-            resumed = make_precomputed_loader(out, rank=rank, start_batch=start, **args)
+            resumed = make_precomputed_loader(out, rank=rank, batches_done=start, **args)
             assert keys_of(resumed, 10 - start) == [b["keys"] for b in full[rank][start:]], (rank, start)
-    resumed = list(itertools.islice(make_precomputed_loader(out, rank=1, start_batch=5, num_workers=2, **args), 3))
+    resumed = list(itertools.islice(make_precomputed_loader(out, rank=1, batches_done=5, num_workers=2, **args), 3))
     for a, b in zip(full[1][5:], resumed):
         assert a["keys"] == b["keys"] and a["captions"] == b["captions"]
         assert all(torch.equal(a[k], b[k]) for k in ("latent_mean", "latent_logvar", "text_embeds", "text_mask"))
@@ -384,7 +384,7 @@ def test_command_line_and_reader_needs_no_encoders(inputs, reference, tmp_path, 
 
     # training on precomputed shards loads neither the VAE nor T5 (nor the libraries that hold them)
     script = (
-        "import sys; from data.precompute import make_precomputed_loader, load_null_text, sample_latents\n"
+        "import sys; from data.precomputed import make_precomputed_loader, load_null_text, sample_latents\n"
         f"loader = make_precomputed_loader({str(out)!r}, batch_size=4)\n"
         "b = next(iter(loader)); e, m = load_null_text(loader.manifest)\n"
         "z = sample_latents(b['latent_mean'], b['latent_logvar'], loader.manifest['vae_scaling_factor'])\n"
@@ -430,20 +430,20 @@ def test_npy_members_read_like_np_load_with_cached_headers(array, version):
     np.lib.format.write_array(buf, array, version=version, allow_pickle=False)
     data = buf.getvalue()
     for _ in range(2):  # the second read takes the header from the cache
-        got = precompute._load_npy(data)
+        got = precomputed.load_npy(data)
         assert got.dtype == array.dtype and got.shape == array.shape and np.array_equal(got, array)
         assert got.flags.writeable and got.flags.f_contiguous == array.flags.f_contiguous
         got[...] = 0  # a copy: the member's bytes stay as they were
-    assert np.array_equal(precompute._load_npy(data), array)
+    assert np.array_equal(precomputed.load_npy(data), array)
 
 
 def test_bad_npy_members_raise_value_errors():
-    data = precompute._npy_bytes(np.ones((4, 5), np.float16))
+    data = precomputed.npy_bytes(np.ones((4, 5), np.float16))
     with pytest.raises(ValueError, match="holds 38 data bytes, its header says"):
-        precompute._load_npy(data[:-2])  # truncated
+        precomputed.load_npy(data[:-2])  # truncated
     objects = io.BytesIO()
     np.save(objects, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="pickle"):
-        precompute._load_npy(objects.getvalue())
+        precomputed.load_npy(objects.getvalue())
     with pytest.raises(ValueError):
-        precompute._load_npy(b"not an array at all")
+        precomputed.load_npy(b"not an array at all")

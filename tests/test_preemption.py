@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from imba.checkpoints import list_checkpoints, resolve_resume
-from imba.preemption import SIGNALS, PreemptionHandler
+from imba.training.checkpoints import list_checkpoints, resolve_resume
+from imba.training.preemption import SIGNALS, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [

@@ -1,4 +1,4 @@
-"""`python -m models.sample`: tiny export (or checkpoint) + prompt file → images, manifest, grid; seeds per image."""
+"""`python -m imba.training.sample`: tiny export (or checkpoint) + prompt file → images, manifest, grid; seeds per image."""
 
 import json
 
@@ -10,7 +10,8 @@ from PIL import Image
 from imba.objectives import build_objective
 from models.dit import build_transformer
 from models.pipeline import build_pipeline, export_pipeline
-from models.sample import SampleError, load_prompt_file, main
+from imba.training.checkpoints import EMA_STATE_FILE
+from imba.training.sample import SampleError, load_prompt_file, main
 from models.text_encoder import load_text_encoder
 from models.vae import load_vae
 
@@ -146,7 +147,7 @@ def test_clear_errors_for_missing_inputs(export_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_training_checkpoint_is_exported_once_then_sampled(tmp_path, capsys):
-    """A checkpoint in train.py's layout (resolved config + EMA state) goes through `train.py --export`."""
+    """A checkpoint in train.py's layout (resolved config + EMA state) is exported once (into <run>/export_<step>)."""
     from diffusers.training_utils import EMAModel
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002"
@@ -157,7 +158,7 @@ def test_a_training_checkpoint_is_exported_once_then_sampled(tmp_path, capsys):
     (tmp_path / "run" / "config.yaml").write_text(config)  # train.py writes it next to checkpoints/ too
     transformer = make_tiny_transformer()
     ema = EMAModel(transformer.parameters(), model_cls=type(transformer), model_config=transformer.config)
-    torch.save(ema.state_dict(), checkpoint / "custom_checkpoint_0.pkl")
+    torch.save(ema.state_dict(), checkpoint / EMA_STATE_FILE)
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle\n")
 

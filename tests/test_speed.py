@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from imba.config import load_config
+from imba.training.config import load_config
 from imba.objectives import RectifiedFlow
-from imba.step import TrainingLoss
+from imba.training_loss import TrainingLoss
 from models.dit import apply_speed_settings, build_transformer, predict
 
 

@@ -7,7 +7,7 @@ import torch
 
 from imba import IMBALoss
 from imba.objectives import build_objective
-from imba.step import TrainingLoss
+from imba.training_loss import TrainingLoss
 from models.dit import build_transformer, predict
 
 

@@ -1,4 +1,5 @@
-"""Short version of the 2-D IMBA experiment (imba/toy2d.py, DESIGN §1): the facts that hold with margin over seeds.
+"""Short version of the 2-D IMBA experiment (bench/toy2d.py, docs/method.md): the facts that hold with margin over
+seeds.
 
 "Early" here is 100 training steps: in this implementation the plain 100:1 model has mostly recovered the tail by
 step 200 (bench/toy2d_results.md), so the early-training effects are asserted at 100. Each model is trained once
@@ -7,13 +8,20 @@ per module; the whole file takes ~20 s on 2 CPU cores.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from imba.toy2d import (
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from toy2d import (  # noqa: E402
     ToyConfig,
+    draw_scatter,
     format_results,
     head_tail_distance,
     run_experiment,
@@ -81,7 +89,7 @@ def test_imba_cond_cuts_the_early_drift(models):
 
 def test_imba_target_pushes_the_tail_away_from_the_head(models):
     """reference="target" weights each sample by its own target's distance from p_uncond, which leans to the head, so
-    tail targets pointing away from the head count more and the learnt tail overshoots (DESIGN §1). Measured at 300
+    tail targets pointing away from the head count more and the learnt tail overshoots (docs/method.md). Measured at 300
     steps: x offset +0.16..+0.72 in each of seeds 0-15, groups of 4 seeds +0.34..+0.43; plain 100:1 -0.07..+0.05."""
     target = [float(tail_mean_error(models["imba_target"][s][LATER], s, CONFIG)[0]) for s in BIAS_SEEDS]
     plain = [float(tail_mean_error(models["plain_imbalanced"][s][LATER], s, CONFIG)[0]) for s in BIAS_SEEDS]
@@ -123,3 +131,16 @@ def test_run_experiment_and_report_shapes():
 def test_unknown_variant_fails_with_a_clear_message():
     with pytest.raises(ValueError, match="unknown variant 'imba'"):
         train_variant("imba", 10, seed=0)
+
+
+def test_scatter_picture_has_the_requested_size_and_needs_samples(tmp_path):
+    from PIL import Image
+
+    config = ToyConfig(num_samples=50, distance_batch=64)
+    results = run_experiment(steps=(2,), seeds=(0,), variants=("plain_balanced", "imba_cond"), config=config,
+                             plot_samples=20)
+    draw_scatter(results, tmp_path / "toy2d.png", size=(900, 500))
+    with Image.open(tmp_path / "toy2d.png") as img:
+        assert img.format == "PNG" and img.size == (900, 500)
+    with pytest.raises(ValueError, match="no samples to draw; run run_experiment"):
+        draw_scatter(dataclasses.replace(results, samples={}), tmp_path / "none.png")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from imba.checkpoints import list_checkpoints
+from imba.training.checkpoints import list_checkpoints, load_ema_state
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = [
@@ -29,7 +29,7 @@ def run_train(args, cwd):
 
 def ema_optimization_step(checkpoint: Path) -> int:
     # accelerate stores registered objects in registration order: 0 = EMA, 1 = TrainState
-    state = torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False)
+    state = load_ema_state(checkpoint)
     return state["optimization_step"]
 
 

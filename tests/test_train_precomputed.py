@@ -8,7 +8,7 @@ import pytest
 import train
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.synthetic import write_synthetic_shards
-from imba.config import ConfigError
+from imba.training.config import ConfigError
 from models.encoders import FrozenEncoders
 
 RES, TOKENS = 32, 16

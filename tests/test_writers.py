@@ -1,4 +1,4 @@
-"""data/writers.py: folders and tables -> img2dataset-layout shards, read back through the project's real loaders."""
+"""data/writers/: folders and tables -> img2dataset-layout shards, read back through the project's real loaders."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ import tarfile
 
 import pytest
 import torch
+import webdataset as wds
 from PIL import Image
 
 import data.writers as writers
-from data.indexed import load_or_build_index, make_indexed_loader
-from data.shards import image_to_tensor, make_image_text_loader, resize_center_crop
+from data.images import image_to_tensor, resize_center_crop
+from data.index import load_or_build_index
+from data.indexed import make_indexed_loader
+from data.streaming import make_image_text_loader
 from shard_helpers import encode
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -252,7 +255,7 @@ def test_parquet_binary_column_and_missing_pyarrow(tmp_path, monkeypatch):
 def test_interrupted_shard_never_appears_under_its_final_name(src, tmp_path, monkeypatch):
     root, _, _ = src
     out = tmp_path / "out"
-    real_write = writers.wds.TarWriter.write
+    real_write = wds.TarWriter.write
     calls = []
 
     def failing_write(self, sample):
@@ -264,7 +267,7 @@ def test_interrupted_shard_never_appears_under_its_final_name(src, tmp_path, mon
             raise OSError(28, "No space left on device (simulated)")
         return real_write(self, sample)
 
-    monkeypatch.setattr(writers.wds.TarWriter, "write", failing_write)
+    monkeypatch.setattr(wds.TarWriter, "write", failing_write)
     with pytest.raises(OSError, match="No space left"):
         writers.write_folder(root, out, samples_per_shard=3, progress=False)
     assert sorted(os.listdir(out)) == ["shard-000000.tar"]  # complete shard kept, the partial one removed

@@ -29,6 +29,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from data.concepts.text import strip_article
+
 ATTRIBUTE_CATEGORIES = ("color", "shape", "texture")
 _CATEGORY_ALIASES = {"colour": "color", "colors": "color", "colours": "color", "shapes": "shape",
                      "textures": "texture"}
@@ -46,9 +48,6 @@ ATTRIBUTE_WORDS = {
                 "marble", "paper", "cardboard", "rough", "smooth", "soft", "shiny", "glossy", "knitted", "feathered",
                 "golden", "steel", "iron", "brick", "concrete", "crystal"},
 }
-_ARTICLES = {"a", "an", "the", "one", "some"}
-_A_BEFORE_VOWEL = ("uni", "use", "usu", "uten", "ure", "euro", "eu", "one", "once", "ubiq")  # "a unicorn"
-_AN_BEFORE_H = ("hour", "honest", "honor", "honour", "heir")  # "an hourglass"
 _SPLIT = re.compile(r"\s*,\s*(?:and\s+)?|\s+and\s+", re.IGNORECASE)
 _PAIR_KEYS = (("concept_a", "concept_b"), ("concept1", "concept2"), ("object1", "object2"))
 
@@ -70,24 +69,6 @@ def category_from_filename(path: str | Path) -> str | None:
     head = re.split(r"[_\-.]", stem)[0]
     category = normalize_category(head)
     return category if category in ATTRIBUTE_CATEGORIES else None
-
-
-def strip_article(phrase: str) -> str:
-    words = phrase.strip().rstrip(".").split()
-    while words and words[0].lower() in _ARTICLES:
-        words = words[1:]
-    return " ".join(words)
-
-
-def with_article(phrase: str) -> str:
-    """"red car" → "a red car", "apple" → "an apple"; phrases that already start with a determiner are kept."""
-    phrase = phrase.strip()
-    first = phrase.split()[0].lower() if phrase else ""
-    if not phrase or first in _ARTICLES or first.isdigit() or first in {"two", "three", "four", "five", "several",
-                                                                         "many", "pair", "some"}:
-        return phrase
-    vowel_sound = (first[0] in "aeiou" and not first.startswith(_A_BEFORE_VOWEL)) or first.startswith(_AN_BEFORE_H)
-    return f"{'an' if vowel_sound else 'a'} {phrase}"
 
 
 def noun_phrases(prompt: str) -> list[str]:

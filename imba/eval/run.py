@@ -1,4 +1,4 @@
-"""Evaluate a folder of samples written by `python -m models.sample`: VQA success rate or CLIP score.
+"""Evaluate a folder of samples written by `python -m imba.training.sample`: VQA success rate or CLIP score.
 
     python -m imba.eval vqa  --images samples/step300 --model llava-hf/llava-1.5-7b-hf --out eval/vqa.jsonl
     python -m imba.eval clip --images samples/step300 --model openai/clip-vit-large-patch14 --out eval/clip.jsonl
@@ -43,7 +43,7 @@ def read_manifest(images_dir: Path) -> list[dict[str, Any]]:
     path = Path(images_dir) / "manifest.jsonl"
     if not path.is_file():
         raise EvalError(f"no manifest.jsonl in {images_dir}: --images must be a folder written by "
-                        "python -m models.sample")
+                        "python -m imba.training.sample")
     rows = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m imba.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=sorted(METRICS), help="vqa: success rate; clip: CLIP score")
-    parser.add_argument("--images", required=True, type=Path, help="folder written by python -m models.sample")
+    parser.add_argument("--images", required=True, type=Path, help="folder written by python -m imba.training.sample")
     parser.add_argument("--model", required=True, help="hub id or local folder of the VLM / CLIP model")
     parser.add_argument("--out", required=True, type=Path, help="per-image results (JSONL)")
     parser.add_argument("--prompts", type=Path, default=None, help="prompt file to join (concepts, buckets, ...)")

@@ -1,12 +1,11 @@
 """Sample a prompt file with an exported pipeline or a training checkpoint: images, a manifest and a grid.
 
-    python -m models.sample outputs/tiny/export --prompts prompts.txt --out samples/tiny
-    python -m models.sample outputs/tiny/checkpoints/step_0000300 --prompts benchmark.json --out samples/step300 \\
-        --guidance-scale 4.5 --steps 20 --images-per-prompt 4 --batch-size 8
+    python -m imba.training.sample outputs/tiny/export --prompts prompts.txt --out samples/tiny
+    python -m imba.training.sample outputs/tiny/checkpoints/step_0000300 --prompts benchmark.json \\
+        --out samples/step300 --guidance-scale 4.5 --steps 20 --images-per-prompt 4 --batch-size 8
 
-MODEL is a diffusers `PixArtAlphaPipeline` folder (what training exports), a training checkpoint folder
-(`config.yaml` + EMA state: exported first, once, by `train.py --export` in a subprocess, into
-`<run>/export_<step>` next to `<run>/checkpoints`), or a hub id.
+MODEL is a diffusers `PixArtAlphaPipeline` folder (what training exports), a training checkpoint folder (exported
+first, once, into `<run>/export_<step>` next to `<run>/checkpoints`), or a hub id.
 
 Prompt files: `.txt` (one prompt per line; blank lines and lines starting with `#` are skipped) or `.json`/`.jsonl`
 (a list of strings, or of objects with a "prompt" key and any other fields, e.g. the inert-concept benchmark of
@@ -29,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,11 +37,12 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from imba.eval.prompts import PromptFileError, read_prompt_items
-from models.pipeline import image_grid, sample_images
+from imba.training.checkpoints import is_checkpoint
+from imba.training.config import ConfigError
+from imba.training.export import export_checkpoint_once
+from models.encoders import DTYPES
+from models.pipeline import image_grid, is_pipeline_folder, sample_images
 
-REPO = Path(__file__).resolve().parents[1]
-# what train.py writes into every checkpoint (models/ does not import imba's internals: the file name is the contract)
-CHECKPOINT_FILES = ("config.yaml", "custom_checkpoint_0.pkl")
 # PixArt-α's default; a model exported by train.py uses its run's model.max_text_tokens (read from config.yaml)
 DEFAULT_MAX_TEXT_TOKENS = 120
 # fields the sampler writes itself; a prompt entry's field of the same name is not copied over them
@@ -53,7 +50,7 @@ MANIFEST_FIELDS = ("image", "prompt", "prompt_index", "sample_index", "seed", "g
                    "resolution", "max_text_tokens")
 # settings that must match for a rerun to reuse the images already in a manifest
 RESUME_KEYS = ("prompt", "seed", "guidance_scale", "steps", "resolution", "max_text_tokens")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SAMPLE_DTYPES = {**DTYPES, "float64": torch.float64}  # float64: bit-identical images for any batch size
 
 
 class SampleError(Exception):
@@ -62,38 +59,11 @@ class SampleError(Exception):
 
 # ---- inputs --------------------------------------------------------------------------------------------------
 
-def is_export(folder: Path) -> bool:
-    return (folder / "model_index.json").is_file()
-
-
-def is_checkpoint(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in CHECKPOINT_FILES)
-
-
-def export_checkpoint_once(checkpoint: Path) -> Path:
-    """`<run>/export_<step>` for `<run>/checkpoints/<step>`, written by `train.py --export` unless already there.
-
-    The export goes to a temporary folder that is renamed when complete, so an existing folder with
-    `model_index.json` is always a whole export (an interrupted one is redone).
-    """
-    export_dir = checkpoint.parent.parent / f"export_{checkpoint.name}"
-    if is_export(export_dir):
-        print(f"using the existing export {export_dir} of {checkpoint}")
-        return export_dir
-    tmp = export_dir.with_name(f".tmp_{export_dir.name}_{os.getpid()}")
-    print(f"exporting {checkpoint} to {export_dir} (train.py --export) ...")
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--export", str(checkpoint), str(tmp)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0 or not is_export(tmp):
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        raise SampleError(f"exporting {checkpoint} failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
-    if is_export(export_dir):  # someone else finished the same export meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        if export_dir.exists():  # an incomplete folder of unknown origin: keep it out of the way, do not delete it
-            export_dir.rename(export_dir.with_name(f"{export_dir.name}.incomplete_{os.getpid()}"))
-        tmp.rename(export_dir)
-    return export_dir
+def export_once(checkpoint: Path) -> Path:
+    try:
+        return export_checkpoint_once(checkpoint)
+    except (ConfigError, FileNotFoundError, OSError) as err:
+        raise SampleError(f"exporting {checkpoint} failed: {err}") from err
 
 
 def run_max_text_tokens(model_dir: Path) -> int | None:
@@ -112,13 +82,13 @@ def resolve_model(spec: str) -> tuple[str, int | None]:
     """(what `from_pretrained` opens, the run's max_text_tokens if known) for an export, checkpoint or hub id."""
     path = Path(spec)
     if path.is_dir():
-        if is_export(path):
+        if is_pipeline_folder(path):
             return str(path), run_max_text_tokens(path)
         if is_checkpoint(path):
-            return str(export_checkpoint_once(path)), run_max_text_tokens(path)
-        hint = f" (a run folder? its export is {path / 'export'})" if is_export(path / "export") else ""
+            return str(export_once(path)), run_max_text_tokens(path)
+        hint = f" (a run folder? its export is {path / 'export'})" if is_pipeline_folder(path / "export") else ""
         raise SampleError(f"{path} is neither an export folder (model_index.json) nor a training checkpoint "
-                          f"({' + '.join(CHECKPOINT_FILES)}){hint}")
+                          f"(config.yaml + EMA state){hint}")
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise SampleError(f"model {spec!r} not found: pass an export folder, a training checkpoint folder or a "
                           "hub id (owner/name)")
@@ -196,7 +166,7 @@ def already_done(out: Path, planned: list[dict]) -> set[str]:
 # ---- command line --------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m models.sample", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m imba.training.sample", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="export folder, training checkpoint folder or hub id")
     parser.add_argument("--prompts", required=True, type=Path, help=".txt, .json or .jsonl prompt file")
@@ -209,7 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="square size in pixels (default: the transformer's trained size)")
     parser.add_argument("--images-per-prompt", type=int, default=1)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    parser.add_argument("--dtype", choices=sorted(SAMPLE_DTYPES), default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--max-text-tokens", type=int, default=None,
                         help=f"T5 sequence length (default: the run's model.max_text_tokens when its config.yaml "
@@ -227,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = load_prompt_file(args.prompts)  # before the model: a typo in the path fails in a second
     model, run_tokens = resolve_model(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    dtype = SAMPLE_DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
 
     from diffusers import PixArtAlphaPipeline
 

@@ -1,4 +1,5 @@
-"""The 2-D IMBA experiment (paper Fig. 5; DESIGN §1 "Which reference?"), small enough to run on a laptop CPU.
+"""The 2-D IMBA experiment (paper Fig. 5; docs/method.md on the choice of reference), small enough to run on a laptop
+CPU.
 
 Setup
 -----
@@ -43,31 +44,37 @@ What the numbers mean
   reported next to it. Under 100:1 the unconditional model leans to the head, so the tail's distance is several
   times the head's; on balanced data they are about equal. This is the signal IMBA uses as its loss weight.
 
-Run ``python -m imba.toy2d`` for the full table (writes ``bench/toy2d_results.md`` and ``bench/toy2d.png``), or
-import ``run_experiment`` / ``train_variant`` / ``tail_drift`` / ``head_tail_distance`` for a shorter version.
+Run ``python bench/toy2d.py`` from the repository root for the full table (writes ``bench/toy2d_results.md`` and
+``bench/toy2d.png``), or import ``run_experiment`` / ``train_variant`` / ``tail_drift`` / ``head_tail_distance`` (with
+``bench/`` on ``sys.path``, as ``tests/test_toy2d.py`` does) for a shorter version.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script, only bench/ is on the path; the project's packages sit above it
+    sys.path.insert(0, str(REPO))
 
-from imba.loss import IMBALoss, token_distance
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from imba.loss import IMBALoss, token_distance  # noqa: E402
 
 HEAD_CLASS, TAIL_CLASS, NULL_CLASS = 0, 1, 2
 CLASS_MEANS = torch.tensor([[-1.5, 0.0], [1.5, 0.0]])  # row = class id (head, tail)
 CLASS_STD = 0.5
 
 VARIANTS = ("plain_balanced", "plain_imbalanced", "imba_target", "imba_cond")
-# DESIGN's table uses 200 / 600 / 1500 steps; 100 is added because in this implementation the early-training pull
-# of the tail towards the head is mostly gone by step 200 (see bench/toy2d_results.md).
+# the method's table (docs/method.md) uses 200 / 600 / 1500 steps; 100 is added because in this implementation the
+# early-training pull of the tail towards the head is mostly gone by step 200 (see bench/toy2d_results.md).
 DEFAULT_STEPS = (100, 200, 600, 1500)
 DEFAULT_SEEDS = tuple(range(8))
 
@@ -368,53 +375,27 @@ def format_results(results: ToyResults) -> str:
     return "\n".join(lines) + "\n"
 
 
-def draw_scatter(results: ToyResults, path: str | Path, panel: int = 320) -> None:
-    """One scatter panel per variant (first seed, shortest length): head blue, tail orange, true means as black
-    crosses, the generated tail mean as a red ring. PIL only, so no plotting dependency."""
-    from PIL import Image, ImageDraw
+def draw_scatter(results: ToyResults, path: str | Path, size: tuple[int, int] | None = None) -> None:
+    """One scatter panel per variant (first seed, shortest length): generated head and tail samples in the bucket
+    colours of imba.plots, the true class means as crosses and the generated tail mean as a ring."""
+    from imba.plots import ScatterPanel, plot_scatter_2d
 
     variants = [v for v in results.variants if v in results.samples]
     if not variants:
         raise ValueError("toy2d: no samples to draw; run run_experiment(..., plot_samples=N) first")
-    x_range, y_range = (-3.5, 3.5), (-2.5, 2.5)
-    title_h = 36
-    plot_h = int(panel * (y_range[1] - y_range[0]) / (x_range[1] - x_range[0]))
-    image = Image.new("RGB", (panel * len(variants), plot_h + title_h), "white")
-    draw = ImageDraw.Draw(image)
-    head_colour, tail_colour = (31, 119, 180), (255, 127, 14)
-
-    for i, variant in enumerate(variants):
-        left = i * panel
-
-        def to_pixel(x: float, y: float) -> tuple[float, float]:
-            px = left + (x - x_range[0]) / (x_range[1] - x_range[0]) * (panel - 1)
-            py = title_h + (y_range[1] - y) / (y_range[1] - y_range[0]) * (plot_h - 1)
-            return px, py
-
-        draw.rectangle([left, title_h, left + panel - 1, title_h + plot_h - 1], outline=(160, 160, 160))
-        ox, oy = to_pixel(0.0, 0.0)
-        draw.line([left, oy, left + panel - 1, oy], fill=(225, 225, 225))
-        draw.line([ox, title_h, ox, title_h + plot_h - 1], fill=(225, 225, 225))
+    steps, seed = results.steps[0], results.seeds[0]
+    panels = []
+    for variant in variants:
         head, tail = results.samples[variant]
-        for points, colour in ((head, head_colour), (tail, tail_colour)):
-            for x, y in points.tolist():
-                if not (x_range[0] <= x <= x_range[1] and y_range[0] <= y <= y_range[1]):
-                    continue  # off the panel; drawing it would spill into the neighbour or the title
-                px, py = to_pixel(x, y)
-                draw.point([(px, py), (px + 1, py), (px, py + 1), (px + 1, py + 1)], fill=colour)
-        for mean in CLASS_MEANS.tolist():
-            px, py = to_pixel(*mean)
-            draw.line([px - 7, py, px + 7, py], fill="black", width=2)
-            draw.line([px, py - 7, px, py + 7], fill="black", width=2)
-        mx, my = to_pixel(*tail.mean(dim=0).tolist())
-        draw.ellipse([mx - 5, my - 5, mx + 5, my + 5], outline=(220, 0, 0), width=2)
-        drift = results.drift[variant][results.steps[0]][0]
-        draw.text((left + 6, 4), f"{variant}, {results.steps[0]} steps, seed {results.seeds[0]}: drift {drift:.3f}",
-                  fill="black")
-        draw.text((left + 6, 18), "blue head, orange tail, + true means, o tail mean", fill="black")
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+        drift = results.drift[variant][steps][0]
+        panels.append(ScatterPanel(title=f"{variant}: tail drift {drift:.3f}",
+                                   points={"head": head.numpy(), "tail": tail.numpy()},
+                                   crosses=[tuple(m) for m in CLASS_MEANS.tolist()],
+                                   rings=[tuple(tail.mean(dim=0).tolist())]))
+    plot_scatter_2d(panels, path, xlim=(-3.5, 3.5), ylim=(-2.5, 2.5), cross_label="true class mean",
+                    ring_label="generated tail mean", size=size,
+                    title=f"2-D experiment: generated samples after {steps} steps, seed {seed} "
+                          "(conditional, no guidance)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -436,8 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     config_line = ", ".join(f"{k}={v}" for k, v in asdict(results.config).items())
     (out_dir / "toy2d_results.md").write_text(
-        "# 2-D IMBA experiment (`python -m imba.toy2d`)\n\n"
-        f"Setup: see the docstring of `imba/toy2d.py` and DESIGN §1. Config: {config_line}.\n\n" + report
+        "# 2-D IMBA experiment (`python bench/toy2d.py`)\n\n"
+        f"Setup: see the docstring of `bench/toy2d.py` and docs/method.md. Config: {config_line}.\n\n" + report
     )
     draw_scatter(results, out_dir / "toy2d.png")
     print(f"wrote {out_dir / 'toy2d_results.md'} and {out_dir / 'toy2d.png'}")

@@ -29,10 +29,10 @@ ESTIMATORS = ("literal", "efficient")
 class TrainingLoss:
     def __init__(self, kind: str = "imba", gamma: float = 0.8, lam: float = 0.9, patch_size: int = 2,
                  distance: str = "mse", reference: str = "target", normalize: str = "none",
-                 estimator: str = "literal", uniform_passes: bool = False):
-        """`uniform_passes`: run the same forward passes whatever the batch draws. Under DeepSpeed ZeRO-3 every
-        forward gathers the parameters from all ranks, so no rank may skip one (the efficient estimator's no-grad
-        pass then runs on all B rows instead of the kept ones)."""
+                 estimator: str = "literal", same_passes_on_every_rank: bool = False):
+        """`same_passes_on_every_rank`: run the same forward passes whatever the batch draws. Under DeepSpeed
+        ZeRO-3 every forward gathers the parameters from all ranks, so no rank may skip one (the efficient
+        estimator's no-grad pass then runs on all B rows instead of the kept ones)."""
         if kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
         if estimator not in ESTIMATORS:
@@ -40,7 +40,7 @@ class TrainingLoss:
         self.kind = kind
         self.estimator = estimator
         self.lam = lam
-        self.uniform_passes = uniform_passes
+        self.same_passes_on_every_rank = same_passes_on_every_rank
         self.imba = IMBALoss(gamma=gamma, lam=lam, patch_size=patch_size, distance=distance, reference=reference,
                              normalize=normalize, granularity="sample" if kind == "imba_sample" else "token")
 
@@ -77,11 +77,11 @@ class TrainingLoss:
         pred = predict(noised.noisy, noised.timesteps, *_null_where_dropped(drop, cond, null))
         pred_uncond = pred
         kept = (~drop).nonzero(as_tuple=True)[0]
-        if kept.numel() or self.uniform_passes:
-            rows = torch.arange(drop.numel(), device=drop.device) if self.uniform_passes else kept
+        if kept.numel() or self.same_passes_on_every_rank:
+            rows = torch.arange(drop.numel(), device=drop.device) if self.same_passes_on_every_rank else kept
             with torch.no_grad():  # the kept rows' unconditional prediction only sets their weight D
                 uncond = predict(noised.noisy[rows], noised.timesteps[rows], null[0][rows], null[1][rows])
-            uncond_kept = uncond[kept] if self.uniform_passes else uncond
+            uncond_kept = uncond[kept] if self.same_passes_on_every_rank else uncond
             pred_uncond = pred.index_put((kept,), uncond_kept.to(pred.dtype))
         # pred's dropped rows hold unconditional predictions; given `drop`, IMBALoss uses them only as such
         return self.imba(pred, pred_uncond, noised.target, drop=drop)

@@ -8,18 +8,17 @@ Writing order, so that a crash or pre-emption at any moment leaves only complete
 4. checkpoints beyond the newest `keep` are deleted.
 `resume latest` follows the pointer, or falls back to the newest `step_*` folder if the pointer is missing.
 
-Resuming on another process count (`prepare_world_size_change`): DDP checkpoints hold full states and load as they
-are. DeepSpeed ZeRO-1/2/3 checkpoints partition the fp32 weights and AdamW moments per rank, so the main process first
-converts the engine's part with DeepSpeed's `ds_to_universal` into `<checkpoint>/universal/` (once, tmp → rename;
-`python -m imba.checkpoints to-universal CHECKPOINT` does it ahead of time) and the engine loads that with
-`checkpoint.load_universal`, re-partitioning the states over the new ranks.
+The universal form (`to_universal`): DeepSpeed ZeRO-1/2/3 checkpoints partition the fp32 weights and AdamW moments
+per rank; DeepSpeed's `ds_to_universal` converts the engine's part into `<checkpoint>/universal/` (once, tmp →
+rename), which loads on any process count (`imba.training.resume`). `python -m imba.training.checkpoints
+to-universal CHECKPOINT` converts ahead of time.
+
+This module is the one place that knows the file layout inside a checkpoint folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -29,14 +28,15 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from imba.config import ConfigError
-from imba.ema import is_partitioned
+from data.files import atomic_write
+from imba.training.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
-# accelerate names registered objects by registration order; train.py registers the EMA, then the TrainState
+# accelerate names registered objects by registration order: `register_state` registers the EMA, then the TrainState
 EMA_STATE_FILE = "custom_checkpoint_0.pkl"
 TRAIN_STATE_FILE = "custom_checkpoint_1.pkl"
+CONFIG_FILE = "config.yaml"  # the run's resolved config, written into every checkpoint
 DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state gives the DeepSpeed engine's shards
 UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/: the same checkpoint with the engine's part in universal form
 
@@ -57,6 +57,23 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.world_size = state.get("world_size")
+
+
+def register_state(accelerator: Accelerator, ema, state: TrainState) -> None:
+    """Have `save_state`/`load_state` carry the EMA and the loop's counters, in the order the file names above
+    assume."""
+    accelerator.register_for_checkpointing(ema, state)
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """True for a folder `save_checkpoint` wrote (it holds the run's config and the EMA state)."""
+    return (Path(folder) / CONFIG_FILE).is_file() and (Path(folder) / EMA_STATE_FILE).is_file()
+
+
+def load_ema_state(checkpoint: Path) -> dict:
+    """The EMA's state dict as saved in a checkpoint, on the CPU (whole tensors in every mode: ZeRO-3's slices are
+    gathered to save)."""
+    return torch.load(Path(checkpoint) / EMA_STATE_FILE, weights_only=False, map_location="cpu")
 
 
 def saved_world_size(checkpoint: Path) -> int | None:
@@ -92,39 +109,6 @@ def to_universal(checkpoint: Path, workers: int = 1) -> Path:
                 shutil.copy2(item, tmp / item.name)
     tmp.rename(final)
     return final
-
-
-def prepare_world_size_change(checkpoint: Path, saved: int, accelerator: Accelerator) -> Path:
-    """Before `accelerator.prepare` (DeepSpeed reads `checkpoint.load_universal` when the engine is built): the folder
-    to `load_state` a checkpoint written by `saved` processes from on the current process count. DDP: the checkpoint
-    itself (full states on every rank). DeepSpeed ZeRO-1/2/3: its universal form, converted once by the main process.
-    Anything else: a one-line refusal."""
-    checkpoint, now, plugin = Path(checkpoint), accelerator.num_processes, accelerator.state.deepspeed_plugin
-    carried = "weights, optimizer, LR schedule and EMA carry over; data continues after the same number of samples"
-    if plugin is None:
-        accelerator.print(f"resuming a {saved}-process checkpoint on {now} processes: {carried}")
-        return checkpoint
-    if plugin.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"this checkpoint was written by {saved} processes; another process count is supported "
-                          f"with DDP and DeepSpeed ZeRO-1/2/3, not ZeRO-{plugin.zero_stage}: "
-                          f"resume with {saved} processes")
-    universal = checkpoint / UNIVERSAL_DIR
-    if accelerator.is_main_process and not universal.is_dir():
-        print(f"converting the {saved}-process DeepSpeed checkpoint {checkpoint} to the universal format")
-        to_universal(checkpoint)
-    accelerator.wait_for_everyone()
-    plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    accelerator.print(f"resuming a {saved}-process ZeRO-{plugin.zero_stage} checkpoint on {now} processes through "
-                      f"{universal}: {carried}")
-    return universal
-
-
-def rescale_schedule(lr_scheduler, saved: int, now: int) -> None:
-    """accelerate steps a prepared scheduler once per process per optimizer step: after a change of process count,
-    count the steps taken so far in the new unit, so that the warm-up continues where it was."""
-    if saved != now:
-        schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)
-        schedule.last_epoch = schedule.last_epoch // saved * now
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -169,37 +153,19 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if config_text:
-            (tmp / "config.yaml").write_text(config_text)
+            (tmp / CONFIG_FILE).write_text(config_text)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        pointer_tmp = root / f".{LATEST}.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / LATEST)
+        atomic_write(root / LATEST, (final.name + "\n").encode())
         for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
-def parameter_digest(model: torch.nn.Module) -> str:
-    """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical.
-    Under ZeRO-3 the parameters are gathered first, a collective: call it on every rank."""
-    params = list(model.parameters())
-    gathered = contextlib.nullcontext()
-    if is_partitioned(params):
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(params)
-    digest = hashlib.sha256()
-    with gathered:
-        for p in params:
-            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-if __name__ == "__main__":  # python -m imba.checkpoints to-universal CHECKPOINT [WORKERS]
+if __name__ == "__main__":  # python -m imba.training.checkpoints to-universal CHECKPOINT [WORKERS]
     if sys.argv[1:2] != ["to-universal"] or len(sys.argv) not in (3, 4):
-        sys.exit("usage: python -m imba.checkpoints to-universal CHECKPOINT_FOLDER [WORKERS]")
+        sys.exit("usage: python -m imba.training.checkpoints to-universal CHECKPOINT_FOLDER [WORKERS]")
     try:
         print(f"wrote {to_universal(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) == 4 else 4)}")
     except ConfigError as err:

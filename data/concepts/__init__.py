@@ -1,0 +1,78 @@
+"""Concept statistics of a caption set: frequencies, head/torso/tail buckets, co-occurrence, inert-concept prompts.
+
+    python -m data.concepts --shards 'shards/part-{000000..000009}.tar' --out stats/
+    python -m data.concepts --captions captions.jsonl --out stats/
+    python -m data.concepts build-benchmark --stats stats/concepts.json --out prompts.json
+
+One module per step, each documenting its definitions:
+  text          words (tokenising, plural folding) and English articles ("an apple", "some water")
+  vocab         the concept vocabulary (bundled `concept_vocab.txt`, or `--vocab FILE`) and the extractors that
+                find a caption's concepts (`VocabExtractor`, the default; `SpacyExtractor`, optional)
+  captions      captions read from tar shards (without reading images) and from caption files
+  counting      per-concept and per-pair counts (`ConceptStats`), in one process or several
+  buckets       head / torso / tail by cumulative share of occurrences; a caption's bucket is its rarest concept's
+  cooccurrence  NPMI of the pairs of frequent concepts: the spurious correlations a model may learn
+  stats         the statistics files (concepts.csv, concepts.json, long_tail.png, cooccurrence.csv) and reading
+                them back (`load_stats`, `load_buckets`, `CaptionBucketer`)
+  benchmark     the inert-concept composition prompts built from concepts.json
+  cli           `python -m data.concepts stats | build-benchmark`
+
+Outputs of `stats` (in --out): concepts.csv, concepts.json, long_tail.png, cooccurrence.csv.
+"""
+
+from .benchmark import TEMPLATES, build_benchmark, log_frequency_bins
+from .buckets import BUCKETS, assign_buckets, bucket_summary, caption_bucket, caption_buckets
+from .captions import iter_caption_file, iter_shard_captions
+from .cli import main
+from .cooccurrence import cooccurrence_table, npmi
+from .counting import ConceptStats, collect_stats, count_concepts
+from .stats import PLOT_SIZE, STATS_FORMAT, CaptionBucketer, extractor_from_stats, load_buckets, load_stats, write_stats
+from .text import noun_phrase, singularize, tokenize, with_article
+from .vocab import (
+    DEFAULT_VOCAB_PATH,
+    ExtractorUnavailable,
+    SpacyExtractor,
+    VocabExtractor,
+    Vocabulary,
+    default_extractor,
+    load_vocabulary,
+    make_extractor,
+)
+
+__all__ = [
+    "DEFAULT_VOCAB_PATH",
+    "BUCKETS",
+    "TEMPLATES",
+    "PLOT_SIZE",
+    "STATS_FORMAT",
+    "ExtractorUnavailable",
+    "Vocabulary",
+    "VocabExtractor",
+    "SpacyExtractor",
+    "ConceptStats",
+    "tokenize",
+    "singularize",
+    "with_article",
+    "noun_phrase",
+    "load_vocabulary",
+    "default_extractor",
+    "make_extractor",
+    "iter_shard_captions",
+    "iter_caption_file",
+    "count_concepts",
+    "collect_stats",
+    "assign_buckets",
+    "bucket_summary",
+    "caption_buckets",
+    "caption_bucket",
+    "CaptionBucketer",
+    "npmi",
+    "cooccurrence_table",
+    "write_stats",
+    "load_stats",
+    "load_buckets",
+    "extractor_from_stats",
+    "log_frequency_bins",
+    "build_benchmark",
+    "main",
+]

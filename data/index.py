@@ -1,0 +1,353 @@
+"""The index of local img2dataset-layout tar shards: where every sample lies, and how big its image is.
+
+Each shard is scanned once (tar headers, plus the header of each image, read by PIL without decoding; other
+data blocks are seeked over): a sample is a run of consecutive regular members with the same key (`key.ext`, key =
+the name up to the first dot of its basename, as webdataset groups them: `data.tars.split_key_ext`), and its byte
+span [first header, end of last member's data) and image width and height (0, 0 when unreadable or absent: the
+image decoder, not a json field, decides what the reader will see) are recorded. The table of all samples (int64,
+shape (N, 4): start, end, width, height, in shard order) goes into `imba-index-<hash>-<state>.npy`, memory-mapped
+by every reader; `imba-index-<hash>.json` lists the shards in the wids shard-list shape
+`{"shardlist": [{"url", "nsamples", "filesize", "mtime_ns"}, ...]}`. Both live next to the shards (or in
+`index_dir`; or under ~/.cache/imba-dit/indexed when the shard folder is read-only). On the next run a shard whose
+size and mtime are unchanged is not rescanned; changed shards are rescanned and a new index is written (atomically:
+ranks building the same index at the same time write identical files). Reading sample i is one `pread` of its span,
+parsed as a small tar (`parse_sample`). Shards must be local, uncompressed tar files.
+
+A truncated or corrupt tar keeps the samples before the damage (noted in the index as the shard's "error", counted
+when a loader is built); a shard that cannot be opened at indexing time contributes no samples (and is rescanned
+on the next run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+from PIL import Image
+
+from .files import atomic_write, read_json_object, write_json
+from .images import IMAGE_EXTENSIONS
+from .skips import CORRUPT_TAR, UNREADABLE_SHARD
+from .tars import split_key_ext
+from .urls import expand_urls, is_remote
+
+__all__ = ["INDEX_VERSION", "ShardIndex", "load_or_build_index", "parse_sample"]
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 2  # 2: image width and height per sample (aspect-ratio buckets); 1: byte spans only
+INDEX_KIND = "imba-dit indexed tar shards"
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tar parsing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _member_key_ext(info: tarfile.TarInfo) -> tuple[str, str] | None:
+    """(key, lower-case extension) of a sample member, or None for members a sample does not contain."""
+    return split_key_ext(info.name) if info.isreg() else None
+
+
+def _compression(path: str) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(6)
+    for magic, name in _COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            return name
+    return None
+
+
+def _image_size(tf: tarfile.TarFile, info: tarfile.TarInfo) -> tuple[int, int]:
+    """(width, height) from an image member's header (PIL reads the header only); (0, 0) if it cannot be read."""
+    if info.size == 0:
+        return 0, 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. DecompressionBombWarning: the reader decides, not the index
+            with Image.open(tf.extractfile(info)) as img:
+                width, height = img.size
+        return int(width), int(height)
+    except Exception:  # undecodable: the reader will skip (and count) it
+        return 0, 0
+
+
+def _scan_tar(path: str) -> tuple[np.ndarray, str | None]:
+    """Table (n, 4) of the samples of one tar shard — byte start, byte end, image width, image height — and an
+    error note if it could not be read to the end.
+
+    The size is that of the image member the reader decodes (the first of IMAGE_EXTENSIONS the sample has);
+    (0, 0) when it has none or its header cannot be read. A truncated or corrupt shard keeps the samples read
+    before the damage (their spans lie inside the file).
+    """
+    compression = _compression(path)
+    if compression is not None:
+        raise ValueError(
+            f"indexed mode needs uncompressed .tar shards, {path} is {compression}-compressed: "
+            f"decompress it or use data.mode=streaming"
+        )
+    size = os.path.getsize(path)
+    spans: list[list[int]] = []
+    error = None
+    current = None
+    image_rank = len(IMAGE_EXTENSIONS)  # of the image member whose size the current sample holds
+    try:
+        with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tf:
+            while True:
+                info = tf.next()
+                if info is None:
+                    break
+                key_ext = _member_key_ext(info)
+                if key_ext is None:
+                    continue
+                end = info.offset_data + info.size  # padding excluded (a file may end without it)
+                if key_ext[0] != current:
+                    spans.append([info.offset, end, 0, 0])
+                    current = key_ext[0]
+                    image_rank = len(IMAGE_EXTENSIONS)
+                else:
+                    spans[-1][1] = end
+                if key_ext[1] in IMAGE_EXTENSIONS and IMAGE_EXTENSIONS.index(key_ext[1]) < image_rank:
+                    image_rank = IMAGE_EXTENSIONS.index(key_ext[1])
+                    spans[-1][2:] = _image_size(tf, info)
+                tf.members.clear()  # headers only; keep memory flat for big shards
+    except (tarfile.TarError, EOFError, OSError) as exn:
+        error = f"{type(exn).__name__}: {exn}"
+    kept = [s for s in spans if s[1] <= size]
+    if len(kept) < len(spans) and error is None:
+        error = "truncated"
+    return np.asarray(kept, dtype=np.int64).reshape(-1, 4), error
+
+
+def parse_sample(blob: bytes) -> dict[str, Any]:
+    """{ext: bytes, "__key__": key} from the bytes of one sample's members (a tar fragment)."""
+    sample: dict[str, Any] = {}
+    blob += bytes(-len(blob) % 512)  # the last member's padding: tarfile checks that it is there
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tf:
+        for info in tf:
+            key_ext = _member_key_ext(info)
+            if key_ext is None:
+                continue
+            key, ext = key_ext
+            if sample.setdefault("__key__", key) != key:
+                raise ValueError(f"span holds two keys ({sample['__key__']}, {key}): the shard changed, rebuild")
+            if ext in sample:
+                raise ValueError(f"duplicate member {info.name}")
+            sample[ext] = tf.extractfile(info).read()
+    if "__key__" not in sample:
+        raise ValueError("no sample members at the indexed offset: the shard changed, rebuild the index")
+    return sample
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The index and its cache
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _check_local(urls: Sequence[str]) -> None:
+    for url in urls:
+        if is_remote(str(url)):
+            raise ValueError(
+                f"indexed mode needs local shards; use data.mode=streaming for pipe:/http/s3 (got {str(url)[:120]!r})"
+            )
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _stat(path: str) -> dict[str, int]:
+    st = os.stat(path)
+    return {"filesize": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "imba-dit", "indexed")
+
+
+class ShardIndex:
+    """Sample spans and image sizes of a list of local tar shards; global index i runs through the shards in order.
+
+    `spans_path` / `spans` hold the (N, 4) table (start, end, width, height); the `spans` property is its first
+    two columns, `sizes` its last two. Picklable; the table is memory-mapped lazily in each process when the index
+    lives in a file.
+    """
+
+    def __init__(
+        self,
+        shardlist: list[dict[str, Any]],
+        spans_path: str | None = None,
+        spans: np.ndarray | None = None,
+        path: str | None = None,
+        rescanned: Sequence[str] = (),
+    ):
+        self.shardlist = shardlist
+        self.urls = [s["url"] for s in shardlist]
+        self.nsamples = [int(s["nsamples"]) for s in shardlist]
+        self.starts = np.concatenate([[0], np.cumsum(self.nsamples, dtype=np.int64)])
+        self.spans_path = spans_path
+        self.path = path  # the JSON file, None when kept in memory only
+        self.rescanned = list(rescanned)  # urls scanned when this index was loaded (empty: fully from cache)
+        self._spans = spans
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def table(self) -> np.ndarray:
+        """(N, 4) int64: byte start, byte end, image width, image height (0, 0: unknown) of every sample."""
+        if self._spans is None:
+            self._spans = np.load(self.spans_path, mmap_mode="r")
+        return self._spans
+
+    @property
+    def spans(self) -> np.ndarray:
+        """(N, 2) byte spans [start, end) of the samples in their shards."""
+        return self.table[:, :2]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """(N, 2) image (width, height) of the samples, from the image headers; (0, 0) where unknown."""
+        return self.table[:, 2:4]
+
+    def locate(self, i: int) -> tuple[int, int, int]:
+        """(shard number, byte start, byte end) of sample i."""
+        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        start, end = self.table[i, :2]
+        return shard, int(start), int(end)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self.spans_path is not None:
+            state["_spans"] = None  # reopen the memory map in the worker
+        return state
+
+
+def _read_cached(json_path: str) -> tuple[dict[str, dict], str | None, np.ndarray | None]:
+    """url -> shard entry (with its spans) from a cached index; ({}, None, None) if absent or unreadable."""
+    meta = read_json_object(json_path)
+    if meta is None:
+        return {}, None, None
+    try:
+        if meta.get("__kind__") != INDEX_KIND or meta.get("version") != INDEX_VERSION:
+            return {}, None, None
+        spans_path = os.path.join(os.path.dirname(json_path), meta["spans"])
+        spans = np.load(spans_path, mmap_mode="r")
+        shardlist = meta["shardlist"]
+        if spans.ndim != 2 or spans.shape != (sum(s["nsamples"] for s in shardlist), 4):
+            return {}, None, None
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, None, None
+    out, start = {}, 0
+    for entry in shardlist:
+        out[entry["url"]] = dict(entry, spans=spans[start : start + entry["nsamples"]])
+        start += entry["nsamples"]
+    return out, spans_path, spans
+
+
+def _write_index(
+    folder: str, name: str, shardlist: list[dict], spans: np.ndarray, old_spans: str | None
+) -> tuple[str, str]:
+    """Write `<name>.json` and its spans file into `folder`; return both paths."""
+    os.makedirs(folder, exist_ok=True)
+    state = _digest(json.dumps(shardlist, sort_keys=True))
+    spans_name = f"{name}-{state}.npy"
+    json_path = os.path.join(folder, f"{name}.json")
+    meta = {
+        "__kind__": INDEX_KIND,
+        "version": INDEX_VERSION,
+        "wids_version": 1,
+        "spans": spans_name,
+        "shardlist": shardlist,
+    }
+    atomic_write(os.path.join(folder, spans_name), lambda f: np.save(f, spans))
+    write_json(json_path, meta)
+    if old_spans and os.path.abspath(old_spans) != os.path.abspath(os.path.join(folder, spans_name)):
+        try:  # open memory maps of other processes stay valid on POSIX
+            os.remove(old_spans)
+        except OSError:
+            pass
+    return json_path, os.path.join(folder, spans_name)
+
+
+def load_or_build_index(
+    urls: str | os.PathLike | Sequence[str | os.PathLike], index_dir: str | os.PathLike | None = None
+) -> ShardIndex:
+    """The index of local tar shards `urls` (any spec `expand_urls` takes), from its cache when still valid.
+
+    The cache is `imba-index-<hash of the shard paths>.json` (+ `.npy` spans) in `index_dir`, else in the first
+    shard's folder, falling back to ~/.cache/imba-dit/indexed when that folder is not writable. Shards whose size
+    or mtime changed are rescanned (`index.rescanned` lists them). Safe to call on every rank at once (identical
+    atomic writes); to scan only once, call it on rank 0 before a barrier.
+    """
+    _check_local([os.fspath(u) for u in ([urls] if isinstance(urls, (str, os.PathLike)) else urls)])
+    paths = [os.path.abspath(u) for u in expand_urls(urls)]
+    _check_local(paths)
+    name = f"imba-index-{_digest(chr(10).join(paths))}"
+    folders = [os.fspath(index_dir)] if index_dir is not None else [os.path.dirname(paths[0]), _default_cache_dir()]
+
+    cached: dict[str, dict] = {}
+    old_spans, old_map = None, None
+    for folder in folders:
+        cached, old_spans, old_map = _read_cached(os.path.join(folder, f"{name}.json"))
+        if cached:
+            break
+
+    shardlist: list[dict[str, Any]] = []
+    parts: list[np.ndarray] = []
+    rescanned: list[str] = []
+    for path in paths:
+        try:
+            stat = _stat(path)
+            entry = cached.get(path)
+            if entry is not None and all(entry.get(k) == v for k, v in stat.items()):
+                spans = np.asarray(entry["spans"])
+                note = entry.get("error")
+            else:
+                rescanned.append(path)
+                spans, note = _scan_tar(path)
+                if note is not None:
+                    log.warning("shard %s: %s (%s); using the %d samples before the damage", path, CORRUPT_TAR,
+                                note[:200], len(spans))
+        except OSError as exn:  # cannot stat or open: no samples now, rescanned next time (size/mtime never match)
+            stat = {"filesize": -1, "mtime_ns": -1}
+            spans, note = np.zeros((0, 4), np.int64), f"{UNREADABLE_SHARD}: {type(exn).__name__}: {exn}"
+            if path not in rescanned:
+                rescanned.append(path)
+            log.warning("skipping shard %s: %s", path, note[:300])
+        item = {"url": path, "nsamples": int(len(spans)), **stat}
+        if note is not None:
+            item["error"] = note
+        shardlist.append(item)
+        parts.append(spans)
+
+    total = sum(s["nsamples"] for s in shardlist)
+    if total == 0:
+        raise ValueError(
+            f"no samples found in {len(paths)} shard(s) ({paths[0]}, ...): indexed mode needs uncompressed "
+            f"img2dataset-style tar files (key.jpg + key.txt)"
+        )
+    if not rescanned and old_spans is not None and [s["url"] for s in shardlist] == list(cached):
+        json_path = os.path.join(os.path.dirname(old_spans), f"{name}.json")
+        return ShardIndex(shardlist, spans_path=old_spans, spans=old_map, path=json_path)
+
+    spans = np.concatenate(parts).astype(np.int64).reshape(-1, 4)
+    for folder in folders:
+        try:
+            json_path, spans_path = _write_index(folder, name, shardlist, spans, old_spans)
+        except OSError as exn:
+            log.info("cannot write the shard index to %s (%s); trying the next place", folder, exn)
+            continue
+        log.info("indexed %d samples in %d shards (%d scanned) -> %s", total, len(paths), len(rescanned), json_path)
+        return ShardIndex(shardlist, spans_path=spans_path, path=json_path, rescanned=rescanned)
+    log.warning("could not write the shard index anywhere (%s); keeping it in memory", ", ".join(folders))
+    return ShardIndex(shardlist, spans=spans, rescanned=rescanned)

@@ -1,0 +1,71 @@
+"""The training loader for a run's shards: which reader reads them (indexed, streaming or precomputed), and the
+checks on the combination of data settings that no single reader can make."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+from .index import load_or_build_index
+from .indexed import make_indexed_loader
+from .precomputed import make_precomputed_loader
+from .streaming import make_image_text_loader
+from .urls import is_remote
+
+__all__ = ["choose_mode", "build_loader"]
+
+
+def choose_mode(mode: str, shards: list[str], manifest: dict | None = None) -> str:
+    """The reader for data.mode `mode` (auto | indexed | streaming): "indexed" or "streaming".
+
+    Precomputed shards (a manifest) are always read indexed; "auto" streams when any shard is remote and reads
+    local shards indexed (exact resume)."""
+    if manifest:
+        return "indexed"
+    if mode == "auto":
+        return "streaming" if any(is_remote(url) for url in shards) else "indexed"
+    return mode
+
+
+def build_loader(
+    shards: list[str],
+    mode: str,
+    *,
+    resolution: int,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    caption_field: str,
+    min_size: int,
+    shuffle_buffer: int,
+    bucketing: bool,
+    bucket_divisor: int,
+    batches_done: int,
+    manifest: dict | None = None,
+    main_process_first: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+):
+    """This rank's infinite training loader over `shards` (expanded shard URLs), resuming after `batches_done`.
+
+    Indexed mode (local image shards, or precomputed ones when `manifest` is given) starts at the batch an
+    uninterrupted run would draw next; streaming mode reseeds its stream from `batches_done`. Aspect-ratio buckets
+    (`bucketing`, sides divisible by `bucket_divisor`) need local image shards: ValueError otherwise.
+    `main_process_first` (a context-manager factory, e.g. `accelerator.main_process_first`) lets the main process
+    scan the tars into the cached index before the other ranks open it.
+    """
+    mode = choose_mode(mode, shards, manifest)
+    if bucketing and (manifest or mode == "streaming"):
+        raise ValueError("data.bucketing=true needs local image shards (read in indexed mode): "
+                         + ("precomputed latents have one fixed size" if manifest else "remote shards are streamed"))
+    common = dict(resolution=resolution, batch_size=batch_size, num_workers=num_workers, seed=seed, rank=rank,
+                  world_size=world_size, caption_field=caption_field, min_size=min_size)
+    if mode == "indexed":
+        with main_process_first():
+            load_or_build_index(shards)  # scanned once, by the main process; the others read the cached index
+        if manifest:
+            return make_precomputed_loader(shards, batch_size, num_workers, seed, rank, world_size, batches_done,
+                                           manifest=manifest)
+        return make_indexed_loader(shards, batches_done=batches_done, bucketing=bucketing,
+                                   bucket_divisor=bucket_divisor, **common)
+    return make_image_text_loader(shards, batches_done=batches_done, shuffle_buffer=shuffle_buffer, **common)

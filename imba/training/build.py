@@ -1,0 +1,69 @@
+"""The parts of a run built from its config: frozen encoders (or precomputed features), the DiT, the loss, the
+optimizer and its schedule. Weights a user names that cannot load give a one-line `ConfigError`."""
+
+from __future__ import annotations
+
+import torch
+from diffusers.optimization import get_scheduler
+
+from data.precomputed import PrecomputedFeatures, find_manifest
+from imba.training.config import Config, ConfigError
+from imba.training_loss import TrainingLoss
+from models.dit import build_transformer, load_pretrained_transformer
+from models.encoders import DTYPES, FrozenEncoders
+
+
+def load_encoders(cfg: Config, device) -> FrozenEncoders:
+    """Frozen tokenizer + T5 and VAE."""
+    m = cfg.model
+    try:
+        return FrozenEncoders.load(m.text_encoder, m.vae, m.max_text_tokens, device, DTYPES[m.encoder_dtype],
+                                   m.text_encoder_subfolder, m.tokenizer_subfolder, m.vae_subfolder)
+    except OSError as err:
+        raise ConfigError(str(err)) from err
+
+
+def load_features(cfg: Config, device) -> tuple[FrozenEncoders | PrecomputedFeatures, dict | None]:
+    """(what turns a batch into latents and text states, the precomputed manifest or None). Shards written by
+    `python -m data.precompute` already hold both: then neither the VAE nor T5 is loaded to train."""
+    m = cfg.model
+    try:
+        manifest = find_manifest(cfg.data.shards, resolution=cfg.data.resolution, max_text_tokens=m.max_text_tokens,
+                                 vae=m.vae, vae_subfolder=m.vae_subfolder, text_encoder=m.text_encoder,
+                                 text_encoder_subfolder=m.text_encoder_subfolder,
+                                 tokenizer_subfolder=m.tokenizer_subfolder)
+    except ValueError as err:  # precomputed with other encoders, resolution or text length
+        raise ConfigError(str(err)) from err
+    return (PrecomputedFeatures(manifest, device) if manifest else load_encoders(cfg, device)), manifest
+
+
+def build_dit(cfg: Config, features) -> torch.nn.Module:
+    """The DiT (a random preset, or pretrained weights) sized for the latents and text states `features` give."""
+    latent_size, rest = divmod(cfg.data.resolution, features.vae_scale)
+    if rest:
+        raise ConfigError(f"data.resolution={cfg.data.resolution} must be a multiple of the VAE's "
+                          f"downsampling factor {features.vae_scale}")
+    sizes = (latent_size, features.caption_channels, features.latent_channels)
+    if not cfg.model.pretrained:
+        return build_transformer(cfg.model.preset, *sizes)
+    try:
+        return load_pretrained_transformer(cfg.model.pretrained, *sizes, cfg.model.pretrained_subfolder)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from err
+
+
+def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank: bool) -> TrainingLoss:
+    loss = cfg.loss
+    return TrainingLoss(loss.kind, gamma=loss.gamma, lam=loss.lam, patch_size=patch_size, distance=loss.distance,
+                        reference=loss.reference, normalize=loss.normalize, estimator=loss.estimator,
+                        same_passes_on_every_rank=same_passes_on_every_rank)
+
+
+def build_optimizer(cfg: Config, parameters, num_processes: int):
+    """AdamW and its constant-with-warm-up schedule."""
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(parameters, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                                  eps=o.adam_eps)
+    # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes
+    lr_scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=o.warmup_steps * num_processes)
+    return optimizer, lr_scheduler

@@ -1,0 +1,66 @@
+"""The accelerator of a run and what each distributed mode needs from it.
+
+One code path serves a single process, DDP and DeepSpeed ZeRO-1/2/3 (`accelerate launch --config_file
+launch/accelerate/*.yaml`). Under ZeRO-3 every rank holds a slice of every DiT parameter, so forward passes and
+parameter reads are collectives: the helpers here say so where it matters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+from transformers.integrations import unset_hf_deepspeed_config
+
+from imba.training.config import Config
+from imba.training.ema import is_partitioned
+
+
+def make_accelerator(cfg: Config, out: Path) -> Accelerator:
+    trackers = [] if cfg.train.trackers == "none" else [t.strip() for t in cfg.train.trackers.split(",")]
+    if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
+        trackers.remove("tensorboard")  # accelerate's tracker needs it; skip quietly when absent
+    # CPU multi-process runs (tests, debugging) need gloo, else DeepSpeed asks for oneCCL; naming a backend in a
+    # single process would make accelerate expect a process group, so only when launched distributed
+    distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else [],
+    )
+
+
+def configure_deepspeed(accelerator: Accelerator, batch_size: int) -> bool:
+    """Adapt accelerate's DeepSpeed config to this loop, before any model is loaded; True under ZeRO-3."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return False
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch_size  # the loaders batch, not DeepSpeed
+    zero3 = plugin.zero_stage == 3
+    if zero3:  # the engine partitions the DiT in prepare; without this, transformers' from_pretrained would
+        unset_hf_deepspeed_config()  # partition the frozen T5 too (zero.Init), and every rank needs it whole
+    return zero3
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical.
+    Under ZeRO-3 the parameters are gathered first, a collective: call it on every rank."""
+    params = list(model.parameters())
+    gathered = contextlib.nullcontext()
+    if is_partitioned(params):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    digest = hashlib.sha256()
+    with gathered:
+        for p in params:
+            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,67 @@
+"""Training checkpoint → a stock diffusers pipeline folder holding its EMA weights.
+
+    python train.py --export outputs/tiny/checkpoints/step_0000200 [EXPORT_DIR]
+
+Works for checkpoints of every mode (single process, DDP, ZeRO-1/2/3: the EMA is saved whole in all of them). The
+folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` and no code from this project.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from imba.objectives import build_objective
+from imba.training.build import build_dit, load_encoders
+from imba.training.checkpoints import CONFIG_FILE, is_checkpoint, load_ema_state
+from imba.training.config import ConfigError, load_config
+from imba.training.ema import make_ema
+from models.pipeline import build_pipeline, export_pipeline, is_pipeline_folder
+
+
+def default_export_dir(checkpoint: Path) -> Path:
+    """`<run>/export_<step>` for `<run>/checkpoints/<step>`."""
+    return checkpoint.parent.parent / f"export_{checkpoint.name}"
+
+
+def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
+    """The EMA weights of `checkpoint` with the frozen parts of its run, written as a pipeline folder."""
+    checkpoint = Path(checkpoint)
+    if not is_checkpoint(checkpoint):
+        raise FileNotFoundError(f"{checkpoint} is not a training checkpoint (no {CONFIG_FILE} or EMA state)")
+    cfg = load_config(["--config", str(checkpoint / CONFIG_FILE)])
+    encoders = load_encoders(cfg, "cpu")
+    transformer = build_dit(cfg, encoders)
+    ema = make_ema(transformer.parameters())
+    ema.load_state_dict(load_ema_state(checkpoint))
+    if any(s.shape != p.shape for s, p in zip(ema.shadow_params, transformer.parameters())):
+        raise ConfigError(f"the EMA in {checkpoint} does not match the model its {CONFIG_FILE} describes")
+    ema.copy_to(transformer.parameters())
+    export_dir = Path(export_dir or default_export_dir(checkpoint))
+    scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
+    export_pipeline(build_pipeline(transformer, scheduler=scheduler, **encoders.pipeline_parts()), export_dir)
+    return export_dir
+
+
+def export_checkpoint_once(checkpoint: Path) -> Path:
+    """`default_export_dir(checkpoint)`, exported unless a complete export is already there.
+
+    The export goes to a temporary folder that is renamed when complete, so an existing folder with
+    `model_index.json` is always a whole export (an interrupted one is redone).
+    """
+    checkpoint = Path(checkpoint)
+    export_dir = default_export_dir(checkpoint)
+    if is_pipeline_folder(export_dir):
+        print(f"using the existing export {export_dir} of {checkpoint}")
+        return export_dir
+    tmp = export_dir.with_name(f".tmp_{export_dir.name}_{os.getpid()}")
+    print(f"exporting {checkpoint} to {export_dir} ...")
+    export_checkpoint(checkpoint, tmp)
+    if is_pipeline_folder(export_dir):  # another process finished the same export meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        if export_dir.exists():  # an incomplete folder of unknown origin: keep it out of the way, do not delete it
+            export_dir.rename(export_dir.with_name(f"{export_dir.name}.incomplete_{os.getpid()}"))
+        tmp.rename(export_dir)
+    return export_dir

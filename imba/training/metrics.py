@@ -1,0 +1,92 @@
+"""Training metrics: averaged over the logging window, reduced over ranks, written to a JSONL file and to
+accelerate's trackers; and the images/s of the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+
+class MetricWindow:
+    """Accumulates scalar stats between log points; `means()` returns and clears their averages.
+
+    Non-finite values are not averaged in, but their key is kept (its mean is NaN if nothing finite came), so
+    every rank reports the same keys in the same order and one collective can reduce them.
+
+    Values are accumulated as tensors where they live and read (`.item()`) only in `means()`: reading every stat
+    every step would force a GPU synchronisation per stat per step.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+
+    def add(self, stats: dict) -> None:
+        for name, value in stats.items():
+            if name.endswith("_per_sample"):
+                continue  # per-sample tensors are for the concept-bucket monitor, not scalar logs
+            value = torch.as_tensor(value).detach()
+            value = value.reshape(()).float()
+            finite = torch.isfinite(value)  # e.g. a weight statistic that is undefined for this batch
+            self._sums[name] = self._sums.get(name, 0.0) + torch.where(finite, value, torch.zeros_like(value))
+            self._counts[name] = self._counts.get(name, 0.0) + finite.float()
+
+    def means(self) -> dict[str, float]:
+        out = {}
+        for name, total in self._sums.items():
+            count = self._counts[name].item()
+            out[name] = total.item() / count if count else math.nan
+        self._sums.clear()
+        self._counts.clear()
+        return out
+
+
+class JsonlLogger:
+    """Appends one JSON object per log point; survives resume (it appends), readable with pandas.read_json."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def reduce_over_ranks(accelerator, means: dict[str, float]) -> dict[str, float]:
+    """The NaN-aware mean over ranks of each window mean: every rank passes the same keys in the same order (the
+    windows guarantee it), so one gather carries them all."""
+    values = torch.tensor([list(means.values())], device=accelerator.device)
+    return dict(zip(means, accelerator.gather(values).nanmean(dim=0).tolist()))
+
+
+class Throughput:
+    """Images per second of training over a logging window; time spent in `paused()` (checkpoints, sample grids)
+    does not count, so their I/O stays out of the training rate."""
+
+    def __init__(self, images_per_step: int, step: int) -> None:
+        self.images_per_step = images_per_step
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        self.start, self.start_step, self.paused_s = time.perf_counter(), step, 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+
+    def images_per_s(self, step: int) -> float:
+        elapsed = time.perf_counter() - self.start - self.paused_s
+        return self.images_per_step * (step - self.start_step) / elapsed

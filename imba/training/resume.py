@@ -1,0 +1,89 @@
+"""Resuming a run: which checkpoint, in which form, and where the LR schedule and the data continue.
+
+Same process count: `load_state` reads the checkpoint as it is. Another process count: DDP checkpoints hold full
+states and load as they are; DeepSpeed ZeRO-1/2/3 checkpoints partition the fp32 weights and AdamW moments per
+rank, so the main process first converts them to DeepSpeed's universal form (`checkpoints.to_universal`), which the
+engine re-partitions over the new ranks (`checkpoint.load_universal`). The LR schedule is re-counted in the new
+unit, and the data continues after the same number of samples (in a different order than the original run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from imba.training.checkpoints import (UNIVERSAL_DIR, TrainState, list_checkpoints, resolve_resume, saved_world_size,
+                                       to_universal)
+from imba.training.config import ConfigError
+from imba.training.distributed import parameter_digest
+
+
+@dataclass
+class ResumePlan:
+    checkpoint: Path | None  # what the run resumes from; None for a fresh run
+    load_from: Path | None  # what `load_state` reads: the checkpoint itself or its universal form
+    saved_world_size: int  # processes that wrote the checkpoint (the current count for a fresh run)
+
+
+def plan_resume(resume: str, root: Path, accelerator: Accelerator) -> ResumePlan:
+    """Before `accelerator.prepare`: DeepSpeed reads `checkpoint.load_universal` when the engine is built.
+    A fresh run into a folder that already holds checkpoints is refused (it would overwrite them)."""
+    now = accelerator.num_processes
+    checkpoint = resolve_resume(resume, root)
+    if checkpoint is None:
+        if list_checkpoints(root):
+            raise ConfigError(f"{root} already holds checkpoints: resume (train.resume=latest, the default) "
+                              "or pick another train.output_dir")
+        return ResumePlan(None, None, now)
+    saved = saved_world_size(checkpoint) or now
+    load_from = checkpoint if saved == now else prepare_world_size_change(checkpoint, saved, accelerator)
+    return ResumePlan(checkpoint, load_from, saved)
+
+
+def prepare_world_size_change(checkpoint: Path, saved: int, accelerator: Accelerator) -> Path:
+    """The folder to `load_state` a checkpoint written by `saved` processes from, on the current process count.
+    DDP: the checkpoint itself (full states on every rank). DeepSpeed ZeRO-1/2/3: its universal form, converted
+    once by the main process. Anything else: a one-line refusal."""
+    checkpoint, now, plugin = Path(checkpoint), accelerator.num_processes, accelerator.state.deepspeed_plugin
+    carried = "weights, optimizer, LR schedule and EMA carry over; data continues after the same number of samples"
+    if plugin is None:
+        accelerator.print(f"resuming a {saved}-process checkpoint on {now} processes: {carried}")
+        return checkpoint
+    if plugin.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"this checkpoint was written by {saved} processes; another process count is supported "
+                          f"with DDP and DeepSpeed ZeRO-1/2/3, not ZeRO-{plugin.zero_stage}: "
+                          f"resume with {saved} processes")
+    universal = checkpoint / UNIVERSAL_DIR
+    if accelerator.is_main_process and not universal.is_dir():
+        print(f"converting the {saved}-process DeepSpeed checkpoint {checkpoint} to the universal format")
+        to_universal(checkpoint)
+    accelerator.wait_for_everyone()
+    plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    accelerator.print(f"resuming a {saved}-process ZeRO-{plugin.zero_stage} checkpoint on {now} processes through "
+                      f"{universal}: {carried}")
+    return universal
+
+
+def restore(plan: ResumePlan, accelerator: Accelerator, state: TrainState, ema, lr_scheduler, model) -> None:
+    """After `prepare` and `checkpoints.register_state`: load the checkpoint into every registered part."""
+    accelerator.load_state(str(plan.load_from))
+    ema.to(accelerator.device)  # accelerate loads registered objects onto the CPU
+    rescale_schedule(lr_scheduler, plan.saved_world_size, accelerator.num_processes)
+    digest = parameter_digest(model)  # equal to the one a run ending at that step prints: loaded intact
+    accelerator.print(f"resumed from {plan.checkpoint} at step {state.step}, parameters {digest}")
+
+
+def rescale_schedule(lr_scheduler, saved: int, now: int) -> None:
+    """accelerate steps a prepared scheduler once per process per optimizer step: after a change of process count,
+    count the steps taken so far in the new unit, so that the warm-up continues where it was."""
+    if saved != now:
+        schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)
+        schedule.last_epoch = schedule.last_epoch // saved * now
+
+
+def batches_done(step: int, grad_accum: int, saved_world_size: int, world_size: int) -> int:
+    """Batches each rank has consumed after `step` optimizer steps, in units of the current process count: the
+    data continues after the same number of samples when the checkpoint came from another count."""
+    return step * grad_accum * saved_world_size // world_size

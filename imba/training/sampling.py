@@ -1,0 +1,36 @@
+"""The sample grids of a run: its fixed prompts (`sample.*`) drawn from the EMA weights, as `samples/step_*.png`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from imba.training.build import load_encoders
+from imba.training.config import Config
+from imba.training.ema import ema_weights_copy
+from models.encoders import FrozenEncoders
+from models.pipeline import save_grid
+
+
+class GridSampler:
+    """Samples grids on the main process; `encoders` are the run's frozen encoders, or None when it trains on
+    precomputed features (they are then loaded on first use, by the main process only)."""
+
+    def __init__(self, cfg: Config, objective, device, is_main: bool, encoders: FrozenEncoders | None) -> None:
+        self.cfg, self.objective, self.device, self.is_main, self.encoders = cfg, objective, device, is_main, encoders
+
+    def pipeline_parts(self) -> dict:
+        """What a diffusers pipeline needs besides the transformer: the sampling scheduler and the frozen parts."""
+        self.encoders = self.encoders or load_encoders(self.cfg, self.device)
+        return dict(scheduler=self.objective.sampling_scheduler(), **self.encoders.pipeline_parts())
+
+    def save(self, model: torch.nn.Module, ema, step: int) -> torch.nn.Module | None:
+        """The grid of `step` from the EMA of `model`'s weights; returns the EMA copy on the main process (None
+        elsewhere). Every rank must call it: under ZeRO-3 the EMA is gathered from all ranks."""
+        ema_model = ema_weights_copy(model, ema, build=self.is_main)
+        if self.is_main:
+            s, path = self.cfg.sample, Path(self.cfg.train.output_dir) / "samples" / f"step_{step:07d}.png"
+            save_grid(ema_model, self.pipeline_parts(), path, s.prompts, self.cfg.data.resolution, s.guidance_scale,
+                      s.steps, s.seed, self.cfg.model.max_text_tokens)
+        return ema_model

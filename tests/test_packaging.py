@@ -1,0 +1,22 @@
+"""What installing the project puts on a user's path: `imba` (the loss with torch alone), and not the repository's
+`models/` and `data/` folders, whose names a user's own project may well use."""
+
+import os
+import subprocess
+import sys
+
+CHECK = """
+import importlib.util, sys
+import imba
+from imba import IMBALoss
+assert not {"diffusers", "transformers", "accelerate", "data", "models"} & set(sys.modules), sorted(sys.modules)
+assert importlib.util.find_spec("models") is None and importlib.util.find_spec("data") is None
+print("ok")
+"""
+
+
+def test_installed_imba_is_the_loss_alone_and_claims_no_common_names(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
