@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             last = run["results"][max(lengths)]
             print(f"[{time.perf_counter() - started:6.0f} s] {run['variant']} seed {run['seed']}: "
                   f"{last['train_seconds']:.0f} s training, final loss {last['final_loss']:.4f}", flush=True)
+        pool.close()  # let the workers exit on their own: the terminate() of `with` can deadlock on idle ones
+        pool.join()
 
     world = PairWorld()
     summary = summarise(runs, world)

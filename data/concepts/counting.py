@@ -152,6 +152,8 @@ def collect_stats(
             finally:
                 if bar is not None:
                     bar.close()
+            pool.close()  # let the workers exit on their own: the terminate() of `with` can deadlock on idle ones
+            pool.join()
         return total
     bar = make_bar()
     try:

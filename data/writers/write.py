@@ -169,13 +169,19 @@ def write_shards(
             })
             summary.written += 1
         sink.finish()
+        if pool is not None:
+            # every result is in: let the workers exit on their own. terminate() on idle workers can kill one while
+            # it holds the task queue's lock, and join() then waits forever for another blocked on that lock.
+            pool.close()
+            pool.join()
+            pool = None
     except BaseException:
         sink.abort()
         raise
     finally:
         bar.close()
         quiet.close()
-        if pool is not None:
+        if pool is not None:  # an error: stop the workers now
             pool.terminate()
             pool.join()
     summary.shards = sink.paths
