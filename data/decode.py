@@ -15,7 +15,9 @@ import torch
 from PIL import Image
 
 from .images import IMAGE_EXTENSIONS, image_to_tensor, resize_center_crop, resize_cover_crop, to_rgb
-from .skips import BAD_IMAGE, BAD_JSON, NO_CAPTION, NOT_UTF8, TOO_SMALL, ZERO_BYTES, BadSample, ReaderStats
+from .skips import (
+    BAD_IMAGE, BAD_JSON, NO_CAPTION, NO_IMAGE, NOT_UTF8, TOO_SMALL, ZERO_BYTES, BadSample, ReaderStats,
+)
 
 __all__ = ["sample_caption", "sample_image", "DecodeSamples", "collate"]
 
@@ -57,18 +59,20 @@ def sample_caption(sample: dict[str, Any], caption_field: str = "caption") -> st
 def sample_image(
     sample: dict[str, Any], resolution: int | tuple[int, int] | None = None, min_size: int = 0
 ) -> Image.Image:
-    """Decode the first image member (jpg, jpeg, png, webp) of a raw sample; raises if none or undecodable.
+    """Decode the first image member (jpg, jpeg, png, webp) of a raw sample; raises if undecodable.
 
     `resolution` (a square side, or a (width, height) the image must still cover) lets JPEGs decode downscaled.
-    An empty member raises `BadSample("zero-byte member")`; an image whose shorter side is below `min_size`
-    (read from the header, before decoding) raises `BadSample("image too small")`.
+    A sample without such a member raises `BadSample("missing image")`, an empty member `BadSample("zero-byte
+    member")`, an image whose shorter side is below `min_size` (read from the header, before decoding)
+    `BadSample("image too small")`.
     """
     for ext in IMAGE_EXTENSIONS:
         data = sample.get(ext)
         if data is not None:
             break
     else:
-        raise ValueError(f"no image member ({', '.join(IMAGE_EXTENSIONS)}) in sample, has {sorted(sample)}")
+        members = sorted(k for k in sample if not k.startswith("__"))
+        raise BadSample(NO_IMAGE, f"no {'/'.join(IMAGE_EXTENSIONS)} member, the sample has {members}")
     if len(data) == 0:
         raise BadSample(ZERO_BYTES, f"{ext} member is empty")
     img = Image.open(io.BytesIO(data))
@@ -117,7 +121,7 @@ class DecodeSamples:
                     height, width = self.size
                     img = sample_image(sample, (width, height), self.min_size)
                     pixels = image_to_tensor(resize_cover_crop(to_rgb(img), width, height))
-            except Exception as exn:  # undecodable, truncated, decompression bomb, no image member, too small
+            except Exception as exn:  # undecodable, truncated, decompression bomb (BadSample: none, empty, too small)
                 self._bad(exn.reason if isinstance(exn, BadSample) else BAD_IMAGE, sample, repr(exn))
                 continue
             self.stats.good += 1

@@ -8,8 +8,8 @@ reading) the skipped samples. Each shard is scanned once into a cached index of 
 (`data.index`); reading sample i is one `pread` of its span. Aspect-ratio buckets (`bucketing=True`) take the
 image sizes from the index (`data.order.BucketBatchSampler`, tables in `data.buckets`).
 
-Bad samples (unreadable span, and the reasons of `data.skips`: bad image, zero-byte member, image too small,
-missing or empty caption, non-UTF-8 text, bad json) never shift the order: when index i is bad, the sample
+Bad samples (unreadable span, and the reasons of `data.skips`: bad image, missing image, zero-byte member, image
+too small, missing or empty caption, non-UTF-8 text, bad json) never shift the order: when index i is bad, the sample
 returned in its place is the first good one among i+1, i+2, ... (wrapping around), a function of i alone. Each
 bad sample met is counted by reason and logged (rate-limited); the loader's `stats` sums the counts over all its
 workers. A bad sample therefore makes its good successor appear twice in that epoch — a negligible bias next to

@@ -5,7 +5,8 @@ summary every few minutes) and never fatal — except when nothing readable has 
 which is a wrong path or layout, reported in one line instead of an endless silent loop. Sample reasons (the same
 for the streaming and the indexed reader):
 
-  bad image                 undecodable or truncated image, or no jpg/jpeg/png/webp member
+  bad image                 undecodable or truncated image
+  missing image             no jpg/jpeg/png/webp member (e.g. a caption whose image was never written)
   zero-byte member          the image member is empty (a failed download or an interrupted write)
   image too small           shorter side below `min_size` pixels (checked on the header, before any draft)
   missing or empty caption  no txt member and no caption field in json, or only whitespace
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "BAD_IMAGE",
+    "NO_IMAGE",
     "ZERO_BYTES",
     "TOO_SMALL",
     "NO_CAPTION",
@@ -48,6 +50,7 @@ SUMMARY_EVERY_S = 300.0  # a process that skipped something logs its per-reason 
 
 # Skip reasons (see the module docstring).
 BAD_IMAGE = "bad image"
+NO_IMAGE = "missing image"
 ZERO_BYTES = "zero-byte member"
 TOO_SMALL = "image too small"
 NO_CAPTION = "missing or empty caption"

@@ -175,3 +175,26 @@ def test_config_min_size(tmp_path):
         load_config(["data.min_size=big"])
     with pytest.raises(ValueError, match="min_size >= 0"):
         make_image_text_loader(str(tmp_path), RES, 1, min_size=-1)
+
+
+def test_caption_without_image_is_counted_as_missing_image_by_both_readers(tmp_path, caplog):
+    """A sample whose image member was never written (key.txt only) has its own reason, in both readers."""
+    img = encode(Image.new("RGB", (12, 12), (5, 5, 5)), "PNG")
+    shard = write_tar(tmp_path / "s.tar", [
+        {"__key__": "g0", "png": img, "txt": b"good 0"},
+        {"__key__": "caption-only", "txt": b"a caption whose image is missing"},
+        {"__key__": "g1", "png": img, "txt": b"good 1"},
+    ])
+    caplog.set_level(logging.WARNING)
+    stream = streaming_pass(shard)
+    assert [k for b in stream for k in b["keys"]] == ["g0", "g1"]
+    assert stream.dataset.stats.bad == {"missing image": 1}
+    indexed = make_indexed_loader(shard, RES, batch_size=1)
+    epoch = list(itertools.islice(indexed, indexed.batches_per_epoch))
+    assert sorted(k for b in epoch for k in b["keys"]) == ["g0", "g1", "g1"]  # caption-only replaced by g1
+    assert indexed.stats.bad == {"missing image": 1}
+    warnings = [r.getMessage() for r in caplog.records if "caption-only" in r.getMessage()]
+    assert warnings and all("missing image" in m and "['txt']" in m for m in warnings)
+    with pytest.raises(BadSample) as info:
+        sample_image({"gif": img, "txt": b"x", "__key__": "k"})
+    assert info.value.reason == "missing image" and "['gif', 'txt']" in str(info.value)

@@ -96,3 +96,145 @@ def test_unloadable_weights_give_one_line(override, message):
     with pytest.raises(ConfigError) as err:
         build_dit(cfg, load_encoders(cfg, "cpu"))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# how values are written
+# ---------------------------------------------------------------------------------------------------------------
+
+FLOAT_SPELLINGS = [("1e-4", 1e-4), ("1E-4", 1e-4), ("+1e-4", 1e-4), ("2e-5", 2e-5), (".5e-3", 5e-4), ("5.", 5.0),
+                   ("1.0e4", 1e4), ("1.0e+4", 1e4), ("3", 3.0), ("-0.25", -0.25)]
+
+
+@pytest.mark.parametrize("text,value", FLOAT_SPELLINGS)
+def test_float_keys_take_scientific_notation_in_overrides_and_files(tmp_path, text, value):
+    assert load_config([f"objective.logit_mean={text}"]).objective.logit_mean == value
+    f = tmp_path / "exp.yaml"
+    f.write_text(f"objective:\n  logit_mean: {text}\n")
+    cfg = load_config(["--config", str(f)])
+    assert cfg.objective.logit_mean == value and type(cfg.objective.logit_mean) is float
+
+
+def test_yaml_file_with_a_small_learning_rate(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("optim:\n  lr: 2e-5\n  adam_eps: 1E-8\n")
+    cfg = load_config(["--config", str(f), "optim.weight_decay=1e-2"])
+    assert (cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.weight_decay) == (2e-5, 1e-8, 1e-2)
+
+
+@pytest.mark.parametrize("text", ["1e4", "1.10", "010", "0x1F", "1_000", "no", "on", "2024-01-01", ".inf"])
+def test_str_keys_keep_what_was_written(tmp_path, text):
+    """A str key takes the text itself, even where YAML reads a number, a bool or a date."""
+    cfg = load_config([f"model.pretrained={text}", f"train.output_dir={text}", f"sample.prompts=[{text}, b]"])
+    assert cfg.model.pretrained == cfg.train.output_dir == text and cfg.sample.prompts == [text, "b"]
+    f = tmp_path / "exp.yaml"
+    f.write_text(f"model:\n  vae_subfolder: {text}\n")
+    assert load_config(["--config", str(f)]).model.vae_subfolder == text
+
+
+def test_mixed_precision_no_is_a_choice_not_a_bool(tmp_path):
+    assert load_config(["train.mixed_precision=no"]).train.mixed_precision == "no"
+    f = tmp_path / "exp.yaml"
+    f.write_text("train:\n  mixed_precision: no\n")
+    assert load_config(["--config", str(f)]).train.mixed_precision == "no"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["optim.lr=abc"], "config key 'optim.lr' expects float, got 'abc'"),
+    (["optim.lr=1e-4x"], "config key 'optim.lr' expects float, got '1e-4x'"),
+    (["optim.lr=e-4"], "expects float, got 'e-4'"),
+    (["optim.lr=.inf"], "config key 'optim.lr' expects a finite float, got inf"),
+    (["objective.logit_mean=.nan"], "expects a finite float, got nan"),
+    (["train.max_steps=1e3"], "config key 'train.max_steps' expects int, got '1e3'"),
+    (["speed.compile=maybe"], "config key 'speed.compile' expects bool, got 'maybe'"),
+    (["sample.prompts=a cat"], "config key 'sample.prompts' expects a list, got 'a cat'"),
+])
+def test_non_numbers_are_still_refused(args, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(args)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("optim:\n  lr: [1\n", "is not valid YAML"),
+    ("optim:\n\tlr: 1\n", "is not valid YAML"),
+    ("optim:\n  lr: 1\n lr2: 3\n", "at line 3"),
+    (b"optim:\n  lr: 1 # caf\xe9\n", "is not UTF-8 text"),
+])
+def test_unreadable_yaml_file_is_one_line(tmp_path, text, message):
+    f = tmp_path / "exp.yaml"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as err:
+        load_config(["--config", str(f)])
+    assert message in str(err.value) and str(f) in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# value checks
+# ---------------------------------------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("optim.lr=-1", "'optim.lr' must be > 0, got -1.0"),
+    ("optim.lr=0", "'optim.lr' must be > 0"),
+    ("optim.weight_decay=-0.1", "'optim.weight_decay' must be >= 0"),
+    ("optim.adam_beta1=1", "'optim.adam_beta1' must be in [0, 1), got 1.0"),
+    ("optim.adam_beta2=-0.5", "'optim.adam_beta2' must be in [0, 1)"),
+    ("optim.adam_eps=0", "'optim.adam_eps' must be > 0"),
+    ("optim.warmup_steps=-1", "'optim.warmup_steps' must be >= 0"),
+    ("optim.grad_clip=-1", "'optim.grad_clip' must be >= 0 (0 = no clipping)"),
+    ("optim.ema_decay=1.5", "'optim.ema_decay' must be in [0, 1]"),
+    ("model.preset=huge", "'model.preset' must be one of micro, tiny, small, base, 1b, got 'huge'"),
+    ("objective.shift=0", "'objective.shift' must be > 0"),
+    ("objective.logit_std=-1", "'objective.logit_std' must be > 0"),
+    ("objective.beta_start=0", "'objective.beta_start' must be in (0, 1)"),
+    ("objective.beta_end=1", "'objective.beta_end' must be in (0, 1)"),
+    ("objective.beta_start=0.5", "'objective.beta_start' (0.5) must not exceed objective.beta_end (0.02)"),
+    ("objective.beta_schedule=sigmoid", "'objective.beta_schedule' must be a schedule"),
+    ("data.num_workers=-1", "'data.num_workers' must be >= 0"),
+    ("data.shuffle_buffer=-1", "'data.shuffle_buffer' must be >= 0"),
+    ("data.synthetic_samples=0", "'data.synthetic_samples' must be >= 1"),
+    ("train.save_every=-1", "'train.save_every' must be >= 0 (0 = only at the end)"),
+    ("train.sample_every=-1", "'train.sample_every' must be >= 0"),
+    ("train.keep_checkpoints=-1", "'train.keep_checkpoints' must be >= 0 (0 = keep all)"),
+    ("train.seed=-1", "'train.seed' must be in [0, 4294967295], got -1"),
+    ("train.max_bad_steps=0", "'train.max_bad_steps' must be >= 1, got 0"),
+    ("train.trackers=tensorbord", "'train.trackers' takes none or comma-separated names of accelerate's trackers"),
+    ("sample.guidance_scale=-1", "'sample.guidance_scale' must be >= 0"),
+    ("sample.seed=1e30", "expects int"),
+    ("sample.prompts=[]", "'sample.prompts' needs at least one prompt"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
+def test_out_of_range_values_give_one_line(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_presets_are_the_models_presets():
+    from models.dit import PRESETS
+
+    for name in PRESETS:
+        assert load_config([f"model.preset={name}"]).model.preset == name
+
+
+def test_max_bad_steps():
+    assert load_config([]).train.max_bad_steps == 20
+    assert load_config(["train.max_bad_steps=1"]).train.max_bad_steps == 1
+
+
+def test_train_py_prints_one_line_for_a_value_out_of_range():
+    proc = subprocess.run([sys.executable, "train.py", "optim.lr=-1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "error: config key 'optim.lr' must be > 0, got -1.0"
+
+
+def test_a_resolution_the_patch_size_does_not_divide_is_one_line():
+    from imba.training.build import build_dit, load_encoders
+
+    cfg = load_config(["data.resolution=24"])  # 3×3 latents for patch size 2
+    with pytest.raises(ConfigError, match="data.resolution=24: latent size 3 is not divisible") as err:
+        build_dit(cfg, load_encoders(cfg, "cpu"))
+    assert "\n" not in str(err.value)

@@ -45,7 +45,10 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
                           f"downsampling factor {features.vae_scale}")
     sizes = (latent_size, features.caption_channels, features.latent_channels)
     if not cfg.model.pretrained:
-        return build_transformer(cfg.model.preset, *sizes)
+        try:
+            return build_transformer(cfg.model.preset, *sizes)
+        except ValueError as err:  # e.g. a latent size the patch size does not divide
+            raise ConfigError(f"data.resolution={cfg.data.resolution}: {err}") from err
     try:
         return load_pretrained_transformer(cfg.model.pretrained, *sizes, cfg.model.pretrained_subfolder)
     except (OSError, ValueError) as err:

@@ -2,25 +2,31 @@
 
     python train.py --config configs/tiny.yaml loss.gamma=0.5 train.max_steps=100 --resume latest
 
-Precedence: dataclass defaults < YAML file < CLI overrides. Unknown keys and values of the wrong type raise
-`ConfigError` with one line that names the key and the fix; `train.py` prints it and exits.
+Precedence: dataclass defaults < YAML file < CLI overrides. Values are read as YAML; a float key also takes the
+spellings YAML 1.1 leaves as strings (`1e-4`, `1E-4`, `+1e-4`), and a str key keeps a number as it was written
+(`1.10`, `010`). Unknown keys, values of the wrong type and values out of range raise `ConfigError` with one line
+that names the key and the fix; `train.py` prints it and exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
+from accelerate.utils import LoggerType
 
 from imba.loss import DISTANCES, NORMALIZATIONS, REFERENCES, IMBALoss, LossSettingError
-from imba.objectives import OBJECTIVES
+from imba.objectives import OBJECTIVES, DDPMEpsilon
 from imba.training_loss import ESTIMATORS, LOSS_KINDS
-from models.dit import ATTENTION_BACKENDS
+from models.dit import ATTENTION_BACKENDS, PRESETS
 from models.encoders import DTYPES
 
 
@@ -30,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # tiny | small | base | 1b (models/dit.py); ignored when pretrained is set
+    preset: str = "tiny"  # a key of models.dit.PRESETS (tiny, small, base, 1b, ...); ignored when pretrained is set
     pretrained: str | None = None  # fine-tune: a diffusers PixArt transformer (hub id or folder, e.g. an export)
     pretrained_subfolder: str = ""  # "transformer" for pipeline repositories (auto-detected for local folders)
     text_encoder: str = "tiny"  # "tiny", a hub id (google/t5-v1_1-xxl) or a local folder
@@ -134,6 +140,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     sample_every: int = 100  # sample-grid interval in steps; 0 = only at the end
     resume: str = "latest"  # latest (newest checkpoint in output_dir, if any) | none (start fresh) | a step_* folder
+    # a step with a non-finite loss or gradient norm is skipped on every rank; after this many in a row the run
+    # stops (exit status 3) without saving the diverged weights
+    max_bad_steps: int = 20
     trackers: str = "tensorboard"  # accelerate trackers, comma-separated, or "none"; JSONL is always written
     # IMBA monitor: IMBA distance and conditional loss per head/torso/tail bucket of the captions' concepts.
     # A concepts.json from `python -m data.concepts stats`; auto = computed for the synthetic data, off for
@@ -154,6 +163,7 @@ class Config:
 
 
 CHOICES = {
+    "model.preset": tuple(PRESETS),
     "model.encoder_dtype": tuple(DTYPES),
     "data.mode": ("auto", "indexed", "streaming"),
     "loss.kind": LOSS_KINDS,
@@ -167,8 +177,40 @@ CHOICES = {
 }
 
 
+# Decimal float spellings, with or without an exponent; YAML 1.1 reads the ones without a dot or an exponent sign
+# (1e-4, 1E-4, +1e-4) as strings.
+_FLOAT = re.compile(r"[-+]?(?:[0-9]+[.]?[0-9]*|[.][0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class _Spelled:
+    """A YAML number, bool or date and the text it was written as: a str key takes the text (`1.10`, `no`,
+    `2024-01-01`), the other keys the value."""
+
+    value: Any
+    text: str
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader whose numbers, bools and dates are `_Spelled`."""
+
+
+def _spelled(construct):
+    return lambda loader, node: _Spelled(construct(loader, node), node.value)
+
+
+for _kind in ("int", "float", "bool", "timestamp"):
+    _Loader.add_constructor(f"tag:yaml.org,2002:{_kind}", _spelled(getattr(yaml.SafeLoader, f"construct_yaml_{_kind}")))
+
+
 def _coerce(key: str, value, hint):
-    """Check `value` against the type hint `hint`; int → float is the one silent conversion."""
+    """Check `value` against the type hint `hint`; int → float and a decimal string → float are the conversions."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(hint):
@@ -180,10 +222,17 @@ def _coerce(key: str, value, hint):
         if not isinstance(value, list):
             raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
         return [_coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # e.g. a numeric hub revision or folder name
+    if isinstance(value, _Spelled):
+        if hint is str:
+            return value.text  # e.g. a numeric hub revision or folder name, exactly as typed
+        value = value.value
+    if hint is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value):
+            value = float(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} expects a finite float, got {value!r}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"config key {key!r} expects {hint.__name__}, got {value!r}")
     return value
@@ -216,12 +265,27 @@ def _parse_override(item: str) -> dict:
         raise ConfigError(f"cannot read argument {item!r}: overrides look like section.key=value")
     dotted, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=_Loader) if raw else ""
+    except (yaml.YAMLError, ValueError, TypeError):  # not YAML (or a tag that cannot build it): the text itself
         value = raw
     for part in reversed(dotted.split(".")):
         value = {part: value}
     return value
+
+
+def _read_yaml(config_file: str):
+    """The YAML document in `config_file`; a file that cannot be read or parsed is a one-line ConfigError."""
+    try:
+        return yaml.load(Path(config_file).read_text(encoding="utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {config_file!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {config_file!r}: {err.strerror or err}") from None
+    except (yaml.YAMLError, ValueError, TypeError) as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or (str(err).splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"config file {config_file!r} is not valid YAML: {problem}{where}") from None
 
 
 def load_config(argv: list[str]) -> Config:
@@ -244,7 +308,7 @@ def load_config(argv: list[str]) -> Config:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file {config_file!r} not found")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_yaml(config_file) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {config_file!r} must hold a mapping of sections")
         _apply(cfg, loaded)
@@ -256,19 +320,95 @@ def load_config(argv: list[str]) -> Config:
     return cfg
 
 
+@dataclass(frozen=True)
+class _Range:
+    """Allowed values of a numeric key: low ≤ (or <) value ≤ (or <) high; None = unbounded on that side."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""  # what a boundary value means, e.g. "0 = only at the end"
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            text = f"{'>' if self.low_open else '>='} {self.low}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+_AT_LEAST_1, _AT_LEAST_0, _POSITIVE = _Range(1), _Range(0), _Range(0, low_open=True)
+
+RANGES = {
+    "model.max_text_tokens": _AT_LEAST_1,
+    "data.resolution": _AT_LEAST_1,
+    "data.batch_size": _AT_LEAST_1,
+    "data.num_workers": _Range(0, note="0 = read in the training process"),
+    "data.shuffle_buffer": _Range(0, note="0 = no shuffle buffer"),
+    "data.min_size": _Range(0, note="0 = no minimum"),
+    "data.synthetic_samples": _AT_LEAST_1,
+    "objective.logit_std": _POSITIVE,
+    "objective.shift": _POSITIVE,
+    "objective.beta_start": _Range(0, 1, low_open=True, high_open=True),
+    "objective.beta_end": _Range(0, 1, low_open=True, high_open=True),
+    "optim.lr": _POSITIVE,
+    "optim.weight_decay": _AT_LEAST_0,
+    "optim.adam_beta1": _Range(0, 1, high_open=True),
+    "optim.adam_beta2": _Range(0, 1, high_open=True),
+    "optim.adam_eps": _POSITIVE,
+    "optim.warmup_steps": _AT_LEAST_0,
+    "optim.grad_clip": _Range(0, note="0 = no clipping"),
+    "optim.ema_decay": _Range(0, 1),
+    "sample.guidance_scale": _AT_LEAST_0,
+    # PixArtAlphaPipeline reads a 1-step call as a distilled (DMD) model and indexes a tuple our schedulers lack
+    "sample.steps": _Range(2),
+    "sample.seed": _Range(-(2**63), 2**63 - 1),  # torch.Generator's (image i gets seed + i)
+    "train.max_steps": _AT_LEAST_1,
+    "train.grad_accum": _AT_LEAST_1,
+    "train.seed": _Range(0, 2**32 - 1),  # numpy's seed range (accelerate's set_seed seeds numpy too)
+    "train.log_every": _AT_LEAST_1,
+    "train.save_every": _Range(0, note="0 = only at the end"),
+    "train.keep_checkpoints": _Range(0, note="0 = keep all"),
+    "train.sample_every": _Range(0, note="0 = only at the end"),
+    "train.max_bad_steps": _AT_LEAST_1,
+}
+
+
+def tracker_names(trackers: str) -> list[str]:
+    """train.trackers ("none", or accelerate tracker names separated by commas) → the list of names."""
+    return [] if trackers == "none" else [name.strip() for name in trackers.split(",")]
+
+
 def _validate(cfg: Config) -> None:
-    """Cross-field and range checks that the types alone do not catch."""
-    positive = {"data.resolution": cfg.data.resolution, "data.batch_size": cfg.data.batch_size,
-                "train.max_steps": cfg.train.max_steps, "train.grad_accum": cfg.train.grad_accum,
-                "train.log_every": cfg.train.log_every, "model.max_text_tokens": cfg.model.max_text_tokens}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"config key {key!r} must be >= 1, got {value}")
-    if cfg.sample.steps < 2:
-        # PixArtAlphaPipeline reads a 1-step call as a distilled (DMD) model and indexes a tuple our schedulers lack
-        raise ConfigError(f"config key 'sample.steps' must be >= 2, got {cfg.sample.steps}")
-    if cfg.data.min_size < 0:
-        raise ConfigError(f"config key 'data.min_size' must be >= 0 (0 = no minimum), got {cfg.data.min_size}")
+    """Range and cross-field checks that the types alone do not catch."""
+    for key, allowed in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not allowed.holds(value):
+            raise ConfigError(f"config key {key!r} must be {allowed}, got {value}")
+    if not cfg.sample.prompts:
+        raise ConfigError("config key 'sample.prompts' needs at least one prompt, e.g. sample.prompts=[a red circle]")
+    o = cfg.objective
+    if o.beta_start > o.beta_end:
+        raise ConfigError(f"config key 'objective.beta_start' ({o.beta_start}) must not exceed objective.beta_end "
+                          f"({o.beta_end}): the noise schedule rises from beta_start to beta_end")
+    try:  # the name is diffusers': both the training and the sampling scheduler must know it
+        DDPMEpsilon(beta_schedule=o.beta_schedule).sampling_scheduler()
+    except NotImplementedError:
+        raise ConfigError(f"config key 'objective.beta_schedule' must be a schedule diffusers' DDPM and DPM-Solver "
+                          f"schedulers both implement (linear, scaled_linear, squaredcos_cap_v2), got "
+                          f"{o.beta_schedule!r}") from None
+    known = [t.value for t in LoggerType]
+    unknown = [name for name in tracker_names(cfg.train.trackers) if name not in known]
+    if unknown:
+        raise ConfigError(f"config key 'train.trackers' takes none or comma-separated names of accelerate's trackers "
+                          f"({', '.join(known)}), got {unknown[0]!r}")
     if cfg.data.bucketing and cfg.data.mode == "streaming":
         raise ConfigError("data.bucketing=true needs data.mode=indexed (or auto with local shards): the streaming "
                           "reader has no image sizes to bucket by; set data.bucketing=false or use local shards")

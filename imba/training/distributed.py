@@ -18,12 +18,12 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 from transformers.integrations import unset_hf_deepspeed_config
 
-from imba.training.config import Config
+from imba.training.config import Config, tracker_names
 from imba.training.ema import is_partitioned
 
 
 def make_accelerator(cfg: Config, out: Path) -> Accelerator:
-    trackers = [] if cfg.train.trackers == "none" else [t.strip() for t in cfg.train.trackers.split(",")]
+    trackers = tracker_names(cfg.train.trackers)
     if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
         trackers.remove("tensorboard")  # accelerate's tracker needs it; skip quietly when absent
     # CPU multi-process runs (tests, debugging) need gloo, else DeepSpeed asks for oneCCL; naming a backend in a
