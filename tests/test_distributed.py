@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imba.training.checkpoints import load_ema_state
+from imba.training.checkpoints import load_ema_state, write_manifest
 from imba.training.resume import prepare_world_size_change
 from imba.training.config import ConfigError
 
@@ -181,6 +181,7 @@ def write_plain_copy(checkpoint: Path, dest: Path, world: int) -> None:
     adam = {index: {"step": step.clone(), "exp_avg": states["exp_avg"].clone(),
                     "exp_avg_sq": states["exp_avg_sq"].clone()} for index, states in enumerate(full.values())}
     torch.save({"state": adam, "param_groups": [{**group, "params": list(adam)}]}, dest / "optimizer.bin")
+    write_manifest(dest)  # a checkpoint of this new layout: the copied manifest listed the DeepSpeed shards
     (dest.parent / "latest").write_text(dest.name + "\n")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from imba.training.checkpoints import list_checkpoints, resolve_resume
+from imba.training.checkpoints import list_checkpoints, resolve_resume, write_manifest
 from imba.training.preemption import SIGNALS, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +88,10 @@ def test_resume_none_refuses_to_overwrite_checkpoints(tmp_path):
 def test_latest_pointer_wins_and_falls_back_to_the_newest(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
-        (root / f"step_{step:07d}").mkdir(parents=True)
+        folder = root / f"step_{step:07d}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+        write_manifest(folder)  # intact: test_checkpoints covers damaged ones
     (root / ".tmp_step_0000008").mkdir()  # an interrupted save is never picked
     assert resolve_resume("latest", root) == root / "step_0000006"
     (root / "latest").write_text("step_0000004\n")

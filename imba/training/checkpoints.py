@@ -1,17 +1,39 @@
-"""Checkpoint folders: `<output_dir>/checkpoints/step_0000100/`, each a complete `accelerator.save_state`.
+"""Checkpoint folders: `<output_dir>/checkpoints/step_0000100/`, each a complete `accelerator.save_state` plus the
+run's config and a manifest.
 
-Writing order, so that a crash or pre-emption at any moment leaves only complete checkpoints behind:
+Writing order, so that a crash, a pre-emption, a power loss or a full disk at any moment leaves only complete
+checkpoints behind:
 1. every rank writes into `.tmp_step_…` (DeepSpeed writes shards on every rank; accelerate's DDP save writes on the
-   main process), plus the resolved `config.yaml`;
-2. once all ranks are done, the main process renames the folder to `step_…`;
-3. the `latest` pointer file is rewritten (atomically) to name it;
-4. checkpoints beyond the newest `keep` are deleted.
-`resume latest` follows the pointer, or falls back to the newest `step_*` folder if the pointer is missing.
+   main process);
+2. once all ranks are done, the main process adds the resolved `config.yaml` and `manifest.json` (every file's
+   relative path, size and SHA-256: `imba.training.integrity`), flushes every file and folder to disk, renames the
+   folder to `step_…` and flushes the parent folder: a power loss cannot leave a `step_…` name without its data;
+3. the `latest` pointer file is rewritten (atomically) to name it, and the parent folder flushed again;
+4. checkpoints older than the new one are deleted beyond the newest `keep` (counting the new one).
+A save that fails (a full disk reaches here as OSError, or from accelerate's writers as torch's `RuntimeError: …
+unexpected pos …` or a `SafetensorError`) removes its partial folder, leaves the earlier checkpoints and `latest`
+as they were, and raises a one-line `CheckpointError` on every rank.
+
+Resuming (`resolve_resume`): `latest` tries the checkpoint the pointer names (or the newest `step_*` folder if the
+pointer is missing), then the others newest first, and takes the first that verifies (`verify_checkpoint`); each
+one passed over is reported in one line. A folder named explicitly (`train.resume=PATH`, `train.py --export PATH`)
+must verify (`require_intact`). If checkpoints exist but none is intact, a one-line error: a run never silently
+starts over from step 0.
+
+A folder without a manifest cannot be verified. This module always writes one, so such a folder predates manifests
+or is a copy that lost it. `latest` passes over it like a damaged one: resuming it unverified is exactly how a
+truncated file used to surface as a raw safetensors traceback, and a careful user wants the choice to be theirs. The
+error then names the override: naming the folder explicitly is that choice, and it is used with a one-line warning
+if it holds a checkpoint's config and EMA state.
+
+Verification reads the whole checkpoint once more (SHA-256 at about 1.3 s per GB on one core, files hashed in
+parallel: some 10-20 s for the ~16 GB checkpoint of a 1B model); `checksums=False` checks names and sizes only
+(missing and truncated files), at no cost.
 
 The universal form (`to_universal`): DeepSpeed ZeRO-1/2/3 checkpoints partition the fp32 weights and AdamW moments
 per rank; DeepSpeed's `ds_to_universal` converts the engine's part into `<checkpoint>/universal/` (once, tmp →
 rename), which loads on any process count (`imba.training.resume`). `python -m imba.training.checkpoints
-to-universal CHECKPOINT` converts ahead of time.
+to-universal CHECKPOINT` converts ahead of time. It is derived from a verified checkpoint and not in the manifest.
 
 This module is the one place that knows the file layout inside a checkpoint folder.
 """
@@ -24,21 +46,31 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
-from data.files import atomic_write
+from data.files import atomic_write, read_json_object, write_json
 from imba.training.config import ConfigError
+from imba.training.integrity import check_manifest, folder_manifest, fsync_dir, fsync_tree
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp_step_"
 LATEST = "latest"
 # accelerate names registered objects by registration order: `register_state` registers the EMA, then the TrainState
 EMA_STATE_FILE = "custom_checkpoint_0.pkl"
 TRAIN_STATE_FILE = "custom_checkpoint_1.pkl"
 CONFIG_FILE = "config.yaml"  # the run's resolved config, written into every checkpoint
+MANIFEST_FILE = "manifest.json"  # every other file's relative path, size and SHA-256
 DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state gives the DeepSpeed engine's shards
 UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/: the same checkpoint with the engine's part in universal form
+_FULL_DISK_BYTES = 64 << 20  # a failed write with less than this free on the disk is put down to a full disk
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or trusted. A ConfigError, so that entry points print it as one line."""
 
 
 class TrainState:
@@ -111,54 +143,198 @@ def to_universal(checkpoint: Path, workers: int = 1) -> Path:
     return final
 
 
+
+def write_manifest(folder: Path) -> None:
+    """`<folder>/manifest.json` for every file now in `folder` (flushed to disk)."""
+    folder = Path(folder)
+    write_json(folder / MANIFEST_FILE, folder_manifest(folder, exclude=(MANIFEST_FILE,)))
+
+
+def verify_checkpoint(folder: Path, checksums: bool = True) -> str | None:
+    """None when `folder` is intact: every file its manifest lists is there with that size and, with `checksums`,
+    that SHA-256. Else a one-line reason: no or unreadable manifest, a missing file, a size or checksum mismatch."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "not a folder"
+    if not (folder / MANIFEST_FILE).is_file():
+        return f"no {MANIFEST_FILE}, so it cannot be verified (written before checkpoints carried one?)"
+    manifest = read_json_object(folder / MANIFEST_FILE)
+    if manifest is None:
+        return f"{MANIFEST_FILE} is unreadable"
+    return check_manifest(folder, manifest, checksums)
+
+
+def require_intact(folder: Path, checksums: bool = True, log: Callable[[str], None] = print) -> Path:
+    """`folder`, named by the user: a CheckpointError unless it verifies. Without a manifest, it is used with a
+    one-line warning if it holds a checkpoint's config and EMA state (see the module docstring)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(folder)!r} not found")
+    if not (folder / MANIFEST_FILE).is_file():
+        if not is_checkpoint(folder):
+            raise CheckpointError(f"{folder} is not a training checkpoint (no {MANIFEST_FILE}, {CONFIG_FILE} or "
+                                  "EMA state)")
+        log(f"warning: {folder} has no {MANIFEST_FILE} (written before checkpoints carried one): using it unverified")
+        return folder
+    reason = verify_checkpoint(folder, checksums)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint {folder} is damaged: {reason}; use another checkpoint "
+                              f"(train.resume={LATEST} picks the newest intact one)")
+    return folder
+
+
+def _step(folder: Path) -> int:
+    return int(_STEP_DIR.match(folder.name).group(1))
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under root, oldest first."""
+    """The `step_*` checkpoint folders under root, oldest first (not verified: see `verify_checkpoint`)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+    return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=_step)
 
 
-def resolve_resume(resume: str | None, root: Path) -> Path | None:
-    """"none"/None → None; "latest" → the checkpoint the pointer names (else the newest), or None if there is
-    none yet; a path → that folder."""
+def _pointer_target(root: Path) -> Path | None:
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text(errors="replace").strip()
+        if _STEP_DIR.match(named.name) and named.is_dir():
+            return named
+    return None
+
+
+def newest_intact(root: Path) -> Path | None:
+    """The newest checkpoint under `root` whose files match its manifest in names and sizes, or None."""
+    return next((c for c in reversed(list_checkpoints(root)) if verify_checkpoint(c, checksums=False) is None), None)
+
+
+def resolve_resume(resume: str | None, root: Path, checksums: bool = True,
+                   log: Callable[[str], None] = print) -> Path | None:
+    """"none"/None → None. "latest" → the first intact checkpoint of: the one the pointer names, then the others
+    newest first (each one passed over is logged in one line); None if there is none yet; a CheckpointError if
+    there are some but none is intact. A path → that folder, which must verify (`require_intact`)."""
     if not resume or resume == "none":
         return None
     root = Path(root)
-    if resume == LATEST:
-        pointer = root / LATEST
-        if pointer.is_file():
-            named = root / pointer.read_text().strip()
-            if _STEP_DIR.match(named.name) and named.is_dir():
-                return named
-        found = list_checkpoints(root)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {resume!r} not found; pass --resume latest or a step_* folder")
-    return path
+    if resume != LATEST:
+        if not Path(resume).is_dir():
+            raise FileNotFoundError(f"checkpoint {resume!r} not found; pass --resume latest or a step_* folder")
+        return require_intact(Path(resume), checksums, log)
+    candidates = list_checkpoints(root)[::-1]
+    named = _pointer_target(root)
+    if named is not None:
+        candidates = [named, *(c for c in candidates if c != named)]
+    for checkpoint in candidates:
+        reason = verify_checkpoint(checkpoint, checksums)
+        if reason is None:
+            return checkpoint
+        log(f"not resuming from {checkpoint}: {reason}")
+        if checkpoint == candidates[0]:
+            newest, newest_reason = checkpoint, reason
+    if not candidates:
+        return None
+    hint = (f"; to resume it unverified, name it: train.resume={newest}"
+            if not (newest / MANIFEST_FILE).is_file() else "")
+    raise CheckpointError(f"no intact checkpoint in {root} ({len(candidates)} found; {newest.name}: "
+                          f"{newest_reason}){hint}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _describe(err: BaseException, root: Path) -> tuple[str, bool]:
+    """(a one-line description, whether it is the file system's doing: a full disk, quota, I/O error). Called while
+    the partial folder still holds the space it took."""
+    text = _first_line(err)
+    if isinstance(err, OSError) or "No space left on device" in text or "Disk quota exceeded" in text:
+        return text, True
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = _FULL_DISK_BYTES
+    if free < _FULL_DISK_BYTES:  # torch.save reports a full disk as "unexpected pos …": the free space tells
+        return f"{type(err).__name__}: {text} (the disk is full: {free >> 20} MiB free)", True
+    return f"{type(err).__name__}: {text}", False
+
+
+def _first_failure(accelerator: Accelerator, described: tuple[str, bool] | None) -> str | None:
+    """The first rank's failure, gathered from every rank (a collective: every rank must call it), so that all raise
+    together rather than leave the others waiting in the next collective."""
+    failures = [(rank, d[0]) for rank, d in enumerate(gather_object([described])) if d is not None]
+    if not failures:
+        return None
+    rank, text = failures[0]
+    return text if accelerator.num_processes == 1 else f"rank {rank}: {text}"
+
+
+def _publish(tmp: Path, final: Path, config_text: str) -> None:
+    """Main process, once every rank's files are in `tmp`: config, manifest, flush, rename, pointer."""
+    root = final.parent
+    if config_text:
+        (tmp / CONFIG_FILE).write_text(config_text)
+    write_manifest(tmp)
+    fsync_tree(tmp)  # every file and folder on disk before the name `step_…` can exist
+    shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step (a rerun from an earlier one)
+    tmp.rename(final)
+    fsync_dir(root)
+    try:
+        atomic_write(root / LATEST, (final.name + "\n").encode())
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)  # a failed save leaves no new checkpoint behind
+        raise
+
+
+def _rotate(root: Path, step: int, keep: int) -> None:
+    """Keep the newest `keep - 1` checkpoints older than `step` besides the one just saved. Folders of later steps
+    (one the run fell back from as damaged, say) are neither counted nor deleted."""
+    if keep <= 0:
+        return
+    older = [p for p in list_checkpoints(root) if _step(p) < step]
+    for old in older[:max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, config_text: str = "") -> Path:
-    """Every rank must call this (DeepSpeed saves shards on every rank)."""
+    """`<root>/step_<step>`, written as the module docstring describes. Every rank must call this (DeepSpeed saves
+    shards on every rank). A failure removes the partial folder and raises a CheckpointError on every rank (an
+    error that is not the file system's is re-raised as it is on the rank it happened on)."""
     root = Path(root)
-    final = root / f"step_{step:07d}"
-    tmp = root / f".tmp_step_{step:07d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+    final, tmp = root / f"step_{step:07d}", root / f"{_TMP_PREFIX}{step:07d}"
+    main = accelerator.is_main_process
+    if main:
         root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{_TMP_PREFIX}*"):  # left by interrupted saves: their space may be needed now
+            shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if config_text:
-            (tmp / CONFIG_FILE).write_text(config_text)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        atomic_write(root / LATEST, (final.name + "\n").encode())
-        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+    error, described = None, None
+    try:
+        accelerator.save_state(str(tmp))
+        if accelerator.is_local_main_process and not main:
+            fsync_tree(tmp)  # this node's writes; the main process flushes its own node's in `_publish`
+    except Exception as err:
+        error, described = err, _describe(err, root)
+    failure = _first_failure(accelerator, described)  # also the barrier: every rank's files are in `tmp`
+    if failure is None:
+        if main:
+            try:
+                _publish(tmp, final, config_text)
+            except Exception as err:
+                error, described = err, _describe(err, root)
+        failure = _first_failure(accelerator, described)
+    if failure is not None:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if described is not None and not described[1]:
+            raise error  # a bug rather than the disk: keep its traceback
+        raise CheckpointError(f"could not save checkpoint {final}: {failure}; the partial folder was removed, the "
+                              f"earlier checkpoints and the {LATEST} pointer are unchanged (a full disk: free space "
+                              "or lower train.keep_checkpoints, then rerun to resume)") from error
+    if main:
+        _rotate(root, step, keep)
     accelerator.wait_for_everyone()
     return final
 

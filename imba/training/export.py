@@ -3,7 +3,9 @@
     python train.py --export outputs/tiny/checkpoints/step_0000200 [EXPORT_DIR]
 
 Works for checkpoints of every mode (single process, DDP, ZeRO-1/2/3: the EMA is saved whole in all of them). The
-folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` and no code from this project.
+folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` and no code from this project. The checkpoint is
+verified against its manifest first (`checkpoints.require_intact`): a damaged one is a one-line error, never an
+export of corrupted weights.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from imba.objectives import build_objective
 from imba.training.build import build_dit, load_encoders
-from imba.training.checkpoints import CONFIG_FILE, is_checkpoint, load_ema_state
+from imba.training.checkpoints import CONFIG_FILE, load_ema_state, require_intact
 from imba.training.config import ConfigError, load_config
 from imba.training.ema import make_ema
 from models.pipeline import build_pipeline, export_pipeline, is_pipeline_folder
@@ -25,11 +27,10 @@ def default_export_dir(checkpoint: Path) -> Path:
     return checkpoint.parent.parent / f"export_{checkpoint.name}"
 
 
-def export_checkpoint(checkpoint: Path, export_dir: Path | None = None) -> Path:
-    """The EMA weights of `checkpoint` with the frozen parts of its run, written as a pipeline folder."""
-    checkpoint = Path(checkpoint)
-    if not is_checkpoint(checkpoint):
-        raise FileNotFoundError(f"{checkpoint} is not a training checkpoint (no {CONFIG_FILE} or EMA state)")
+def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksums: bool = True) -> Path:
+    """The EMA weights of `checkpoint` with the frozen parts of its run, written as a pipeline folder.
+    `checksums=False` verifies the checkpoint's file names and sizes only."""
+    checkpoint = require_intact(Path(checkpoint), checksums)
     cfg = load_config(["--config", str(checkpoint / CONFIG_FILE)])
     encoders = load_encoders(cfg, "cpu")
     transformer = build_dit(cfg, encoders)

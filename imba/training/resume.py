@@ -5,6 +5,10 @@ states and load as they are; DeepSpeed ZeRO-1/2/3 checkpoints partition the fp32
 rank, so the main process first converts them to DeepSpeed's universal form (`checkpoints.to_universal`), which the
 engine re-partitions over the new ranks (`checkpoint.load_universal`). The LR schedule is re-counted in the new
 unit, and the data continues after the same number of samples (in a different order than the original run).
+
+Which checkpoint: the main process verifies (`checkpoints.resolve_resume`: `latest` passes over damaged ones) and
+every rank gets its answer, so the checkpoint is read once per run rather than once per rank, and all ranks raise
+the same one-line error together.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from imba.training.checkpoints import (UNIVERSAL_DIR, TrainState, list_checkpoints, resolve_resume, saved_world_size,
                                        to_universal)
@@ -27,11 +32,12 @@ class ResumePlan:
     saved_world_size: int  # processes that wrote the checkpoint (the current count for a fresh run)
 
 
-def plan_resume(resume: str, root: Path, accelerator: Accelerator) -> ResumePlan:
+def plan_resume(resume: str, root: Path, accelerator: Accelerator, checksums: bool = True) -> ResumePlan:
     """Before `accelerator.prepare`: DeepSpeed reads `checkpoint.load_universal` when the engine is built.
-    A fresh run into a folder that already holds checkpoints is refused (it would overwrite them)."""
+    A fresh run into a folder that already holds checkpoints is refused (it would overwrite them). `checksums=False`
+    verifies the checkpoint's file names and sizes only (see `checkpoints.verify_checkpoint`)."""
     now = accelerator.num_processes
-    checkpoint = resolve_resume(resume, root)
+    checkpoint = _resolve_on_main(resume, root, accelerator, checksums)
     if checkpoint is None:
         if list_checkpoints(root):
             raise ConfigError(f"{root} already holds checkpoints: resume (train.resume=latest, the default) "
@@ -40,6 +46,22 @@ def plan_resume(resume: str, root: Path, accelerator: Accelerator) -> ResumePlan
     saved = saved_world_size(checkpoint) or now
     load_from = checkpoint if saved == now else prepare_world_size_change(checkpoint, saved, accelerator)
     return ResumePlan(checkpoint, load_from, saved)
+
+
+def _resolve_on_main(resume: str, root: Path, accelerator: Accelerator, checksums: bool = True) -> Path | None:
+    """`resolve_resume` run by the main process (which prints what it passes over); every rank returns its result
+    or raises its error. Every rank must call this."""
+    outcome: list = [None]
+    if accelerator.is_main_process:
+        try:
+            outcome = [resolve_resume(resume, root, checksums=checksums)]
+        except (ConfigError, FileNotFoundError) as err:
+            outcome = [err]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def prepare_world_size_change(checkpoint: Path, saved: int, accelerator: Accelerator) -> Path:
