@@ -23,11 +23,12 @@ from data.skips import reader_stats
 from imba.monitor import BucketMonitor
 from imba.objectives import build_objective
 from imba.training.build import build_dit, build_optimizer, build_training_loss, load_features
-from imba.training.checkpoints import TrainState, register_state, save_checkpoint
+from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
+from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
 from imba.training.inputs import concept_bucketer, make_loader, training_shards
 from imba.training.metrics import JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
@@ -89,6 +90,8 @@ def main(argv: list[str]) -> int:
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     throughput = Throughput(cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes, state.step)
     preemption = PreemptionHandler()  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit for a requeue
+    # a non-finite loss or gradient norm skips the step on every rank; fp16: the GradScaler judges the gradients
+    guard = DivergenceGuard(accelerator, cfg.train.max_bad_steps, check_grad_norm=accelerator.scaler is None)
     config_text = dump_config(cfg)  # stored in every checkpoint
 
     def predict_fn(noisy, timesteps, embeds, mask):
@@ -104,10 +107,15 @@ def main(argv: list[str]) -> int:
             noised = objective.noise(latents)
             with accelerator.autocast():
                 loss, stats = loss_fn(predict_fn, noised, cond, features.null_like(latents.shape[0]))
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
-                stats["grad_norm"] = accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
-            optimizer.step()
+            accelerator.backward(loss)  # under DeepSpeed this also steps, unless its overflow check skips
+            guard.add_loss(loss)
+            skip = False
+            if accelerator.sync_gradients:
+                if cfg.optim.grad_clip > 0:
+                    stats["grad_norm"] = accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
+                skip = guard.step_is_bad(stats.get("grad_norm"))  # one decision, agreed by every rank
+            if not skip or accelerator.scaler is not None:  # fp16: the GradScaler skips non-finite gradients
+                optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         window.add(stats)
@@ -116,14 +124,19 @@ def main(argv: list[str]) -> int:
         if not accelerator.sync_gradients:
             continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
 
-        ema.step(dit.parameters())
         state.step += 1
         progress.update(1)
         step, last = state.step, state.step == cfg.train.max_steps
+        if skip:
+            accelerator.print(f"warning: step {step} skipped: non-finite loss or gradient norm "
+                              f"({guard.consecutive} in a row, the run stops at {guard.max_bad_steps})")
+        else:
+            ema.step(dit.parameters())
         if step % cfg.train.log_every == 0 or last:
             metrics = reduce_over_ranks(accelerator, window.means() | monitor.means())
             metrics.update(lr=lr_scheduler.get_last_lr()[0], ema_decay=ema.cur_decay_value,
                            images_per_s=throughput.images_per_s(step))
+            metrics["nonfinite_steps"] = guard.skipped
             if data_stats is not None:
                 metrics["data_skipped"] = data_stats.bad_total
             throughput.restart(step)
@@ -131,17 +144,29 @@ def main(argv: list[str]) -> int:
             if is_main:
                 metrics_log.log(step, metrics)
                 progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-        if preemption.should_stop(accelerator) and not last:
-            save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
+        preempted = preemption.should_stop(accelerator) and not last
+        # no periodic checkpoint of a skipped step: the run may be diverging, and rotation would drop good ones
+        periodic = cfg.train.save_every and step % cfg.train.save_every == 0 and not skip
+        saving = preempted or last or periodic
+        diverged = None
+        if guard.diverged:
+            diverged = f"{guard.consecutive} consecutive steps with a non-finite loss or gradient norm"
+        elif saving and not all_finite(accelerator, local_weights(dit, ema)):
+            diverged = "the weights or their EMA are not finite"  # never checkpoint them, nor rotate good ones out
+        if diverged:
+            accelerator.print(f"error: {diverged_message(diverged, step, newest_intact(checkpoint_root))}")
+            accelerator.end_training()
+            return DIVERGED_EXIT_CODE
+        with throughput.paused():
+            if saving:
+                save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
+            if not last and not preempted and cfg.train.sample_every and step % cfg.train.sample_every == 0:
+                grids.save(dit, ema, step)
+        if preempted:
             accelerator.print(f"pre-empted: checkpoint at step {step} saved; exiting with {REQUEUE_EXIT_CODE} "
                               "so the job is requeued (it resumes from the latest checkpoint)")
             accelerator.end_training()
             return REQUEUE_EXIT_CODE
-        with throughput.paused():
-            if last or (cfg.train.save_every and step % cfg.train.save_every == 0):
-                save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
-            if not last and cfg.train.sample_every and step % cfg.train.sample_every == 0:
-                grids.save(dit, ema, step)
     progress.close()
 
     print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(dit)}"

@@ -1,3 +1,3 @@
 """The training infrastructure around the method: config, the accelerator and distributed modes, building the
-run's parts, inputs, resume, checkpoints, EMA, metrics, pre-emption, sample grids, export and the sampling
-command. `train.py` calls these in order; nothing here is needed to use the loss itself (`imba`)."""
+run's parts, inputs, resume, checkpoints, EMA, metrics, pre-emption, the divergence guard, sample grids, export
+and the sampling command. `train.py` calls these in order; nothing here is needed to use the loss (`imba`)."""
