@@ -52,9 +52,11 @@ class DivergenceGuard:
 
 def all_finite(accelerator: Accelerator, tensors: Iterable[torch.Tensor]) -> bool:
     """True on every rank iff every rank's `tensors` are finite (under ZeRO-3 pass each rank's own slices)."""
-    local = all(bool(torch.isfinite(t).all()) for t in tensors)
-    flag = torch.tensor([0.0 if local else 1.0], device=accelerator.device)
-    return bool(accelerator.gather(flag).max().item() == 0)
+    # one flag per tensor, read once after the gather: a GPU synchronisation per check, not per tensor
+    device = accelerator.device
+    finite = [torch.isfinite(t).all().to(device) for t in tensors]
+    bad = (~torch.stack(finite).all()).float().reshape(1) if finite else torch.zeros(1, device=device)
+    return bool(accelerator.gather(bad).max().item() == 0)
 
 
 def local_weights(model: torch.nn.Module, ema) -> list[torch.Tensor]:
