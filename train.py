@@ -58,7 +58,8 @@ def main(argv: list[str]) -> int:
     dit = build_dit(cfg, features)
     objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
     # under ZeRO-3 every forward pass is a collective: every rank must run the same passes
-    loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=zero3)
+    loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=zero3,
+                                  num_processes=accelerator.num_processes)
     optimizer, lr_scheduler = build_optimizer(cfg, dit.parameters(), accelerator.num_processes)
     apply_speed_settings(dit, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
 
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
     wrapped, optimizer, lr_scheduler = accelerator.prepare(dit, optimizer, lr_scheduler)
     dit = accelerator.unwrap_model(wrapped)  # the bare DiT (config, EMA, no-grad passes); ZeRO-3: partitioned
     ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)  # ZeRO-3: each rank averages its own slice
-    state = TrainState(world_size=accelerator.num_processes)
+    state = TrainState(world_size=accelerator.num_processes, loss=loss_fn)
     register_state(accelerator, ema, state)
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)

@@ -29,10 +29,11 @@ ESTIMATORS = ("literal", "efficient")
 class TrainingLoss:
     def __init__(self, kind: str = "imba", gamma: float = 0.8, lam: float = 0.9, patch_size: int = 2,
                  distance: str = "mse", reference: str = "target", normalize: str = "none",
-                 estimator: str = "literal", same_passes_on_every_rank: bool = False):
+                 estimator: str = "literal", same_passes_on_every_rank: bool = False, timestep_reduce=None):
         """`same_passes_on_every_rank`: run the same forward passes whatever the batch draws. Under DeepSpeed
         ZeRO-3 every forward gathers the parameters from all ranks, so no rank may skip one (the efficient
-        estimator's no-grad pass then runs on all B rows instead of the kept ones)."""
+        estimator's no-grad pass then runs on all B rows instead of the kept ones).
+        `timestep_reduce`: the all-reduce `normalize="timestep_mean"` uses with several processes (`TimestepMean`)."""
         if kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
         if estimator not in ESTIMATORS:
@@ -42,7 +43,17 @@ class TrainingLoss:
         self.lam = lam
         self.same_passes_on_every_rank = same_passes_on_every_rank
         self.imba = IMBALoss(gamma=gamma, lam=lam, patch_size=patch_size, distance=distance, reference=reference,
-                             normalize=normalize, granularity="sample" if kind == "imba_sample" else "token")
+                             normalize=normalize, granularity="sample" if kind == "imba_sample" else "token",
+                             timestep_reduce=timestep_reduce)
+
+    def state_dict(self) -> dict:
+        """The loss's running state (the timestep means of normalize="timestep_mean"; empty otherwise)."""
+        norm = self.imba.timestep_mean
+        return {} if norm is None or self.kind == "plain" else {"timestep_mean": norm.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "timestep_mean" in state and self.imba.timestep_mean is not None:
+            self.imba.timestep_mean.load_state_dict(state["timestep_mean"])
 
     def __call__(self, predict: Predict, noised: NoisedBatch, cond: tuple[torch.Tensor, torch.Tensor],
                  null: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator | None = None,
@@ -70,7 +81,7 @@ class TrainingLoss:
             torch.cat([cond[0], null[0]]),
             torch.cat([cond[1], null[1]]),
         )
-        return self.imba(both[:b], both[b:], noised.target)
+        return self.imba(both[:b], both[b:], noised.target, timesteps=noised.timesteps)
 
     def _efficient(self, predict, noised, cond, null, drop):
         # the only pass with gradient: exactly a plain step with caption dropout
@@ -84,7 +95,7 @@ class TrainingLoss:
             uncond_kept = uncond[kept] if self.same_passes_on_every_rank else uncond
             pred_uncond = pred.index_put((kept,), uncond_kept.to(pred.dtype))
         # pred's dropped rows hold unconditional predictions; given `drop`, IMBALoss uses them only as such
-        return self.imba(pred, pred_uncond, noised.target, drop=drop)
+        return self.imba(pred, pred_uncond, noised.target, drop=drop, timesteps=noised.timesteps)
 
 
 def _null_where_dropped(drop: torch.Tensor, cond, null):

@@ -30,6 +30,8 @@ RUN = [
     "data.resolution=64", "data.batch_size=2", "data.synthetic_samples=24", "train.log_every=1",
     "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "optim.warmup_steps=2",
     "train.trackers=none",
+    # running means of D per timestep bin: state that must be the same on every rank for an exact resume
+    "loss.normalize=timestep_mean",
 ]
 LAUNCHERS = {
     # the CPU form that really starts 2 processes (gloo)

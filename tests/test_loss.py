@@ -153,3 +153,86 @@ def test_bad_shapes_fail_clearly():
         IMBALoss(patch_size=2)(*(torch.zeros(1, 4, 5, 4) for _ in range(3)))
     with pytest.raises(ValueError, match="one shape"):
         IMBALoss()(torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), torch.zeros(2, 4, 4, 4))
+
+
+def test_timestep_mean_divides_by_the_running_mean_of_each_timestep_bin():
+    """Two bins (timesteps below / above 500); hand-computed means over three batches, momentum 0.5."""
+    from imba.loss import TimestepMean
+
+    norm = TimestepMean(bins=2, momentum=0.5, num_train_timesteps=1000)
+    w1 = torch.tensor([[1.0, 3.0], [10.0, 30.0], [4.0, 4.0]])  # row means 2, 20, 4
+    out = norm(w1, torch.tensor([100.0, 900.0, 499.0]))
+    # bin 0 sees rows 0 and 2 (mean 3), bin 1 row 1 (mean 20): first observations set the means
+    torch.testing.assert_close(norm.means, torch.tensor([3.0, 20.0], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([[1 / 3, 1.0], [0.5, 1.5], [4 / 3, 4 / 3]]))
+    out = norm(torch.tensor([[6.0, 6.0]]), torch.tensor([0.0]))  # only bin 0: 0.5·3 + 0.5·6 = 4.5
+    torch.testing.assert_close(norm.means, torch.tensor([4.5, 20.0], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([[6 / 4.5, 6 / 4.5]]))
+    # invalid rows (no weight defined) neither update the means nor matter
+    out = norm(torch.tensor([[1e6, 1e6], [40.0, 40.0]]), torch.tensor([10.0, 999.0]),
+               valid=torch.tensor([False, True]))
+    torch.testing.assert_close(norm.means, torch.tensor([4.5, 30.0], dtype=torch.float64))
+    torch.testing.assert_close(out[1], torch.tensor([40 / 30, 40 / 30]))
+
+
+def test_timestep_mean_removes_the_scale_of_each_noise_level():
+    """Distances that differ by 1000× between noise levels give weights of the same size once normalised."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.rand(64, 4, generator=g) + 0.1
+    timesteps = torch.tensor([10.0, 990.0] * 32)
+    scaled = base * torch.where(timesteps > 500, 1000.0, 1.0)[:, None]
+    norm = IMBALoss(gamma=1.0, normalize="timestep_mean", timestep_bins=4).timestep_mean
+    out = norm(scaled, timesteps)
+    low, high = out[timesteps < 500], out[timesteps > 500]
+    assert low.mean().item() == pytest.approx(1.0) and high.mean().item() == pytest.approx(1.0)
+    torch.testing.assert_close(high, base[timesteps > 500] / base[timesteps > 500].mean())
+
+
+def test_timestep_mean_loss_state_round_trip_continues_identically():
+    g = torch.Generator().manual_seed(1)
+    batches = [(tuple(torch.randn(4, 2, 4, 4, generator=g) for _ in range(3)), torch.rand(4, generator=g) * 1000)
+               for _ in range(4)]
+    a = IMBALoss(normalize="timestep_mean", reference="cond")
+    for (pc, pu, t), steps in batches[:2]:
+        a(pc, pu, t, timesteps=steps)
+    b = IMBALoss(normalize="timestep_mean", reference="cond")
+    b.timestep_mean.load_state_dict(a.timestep_mean.state_dict())
+    for (pc, pu, t), steps in batches[2:]:
+        assert torch.equal(a(pc, pu, t, timesteps=steps)[0], b(pc, pu, t, timesteps=steps)[0])
+    fresh = IMBALoss(normalize="timestep_mean", reference="cond")
+    (pc, pu, t), steps = batches[3]
+    assert not torch.equal(fresh(pc, pu, t, timesteps=steps)[0], a(pc, pu, t, timesteps=steps)[0])
+    with pytest.raises(ValueError, match="3 bins, this loss 10"):
+        IMBALoss(normalize="timestep_mean").timestep_mean.load_state_dict(
+            {"means": torch.ones(3, dtype=torch.float64), "seen": torch.ones(3, dtype=torch.bool)})
+
+
+def test_timestep_mean_needs_the_timesteps():
+    pc = pu = t = torch.zeros(1, 1, 2, 2)
+    with pytest.raises(ValueError, match="needs the batch's timesteps"):
+        IMBALoss(normalize="timestep_mean")(pc, pu, t)
+
+
+def test_training_loss_carries_the_timestep_means_in_its_state():
+    from imba.objectives import NoisedBatch
+    from imba.training_loss import TrainingLoss
+
+    g = torch.Generator().manual_seed(2)
+    noised = NoisedBatch(noisy=torch.randn(4, 2, 4, 4, generator=g), timesteps=torch.tensor([5.0, 250, 600, 999]),
+                         target=torch.randn(4, 2, 4, 4, generator=g))
+    cond = (torch.randn(4, 3, 8, generator=g), torch.ones(4, 3))
+    null = (torch.zeros(4, 3, 8), torch.ones(4, 3))
+    weight = torch.randn(2, 2, 1, 1, generator=g)
+
+    def predict(noisy, timesteps, embeds, mask):  # any function of its inputs will do
+        return noisy * weight.squeeze(-1).squeeze(-1).sum(1).view(1, 2, 1, 1) + embeds.mean(dim=(1, 2)).view(-1, 1, 1, 1)
+
+    loss = TrainingLoss("imba", patch_size=2, normalize="timestep_mean")
+    assert loss.state_dict()["timestep_mean"]["seen"].sum() == 0
+    loss(predict, noised, cond, null)
+    state = loss.state_dict()["timestep_mean"]
+    assert state["seen"].nonzero().flatten().tolist() == [0, 2, 6, 9]
+    restored = TrainingLoss("imba", patch_size=2, normalize="timestep_mean")
+    restored.load_state_dict(loss.state_dict())
+    assert torch.equal(restored(predict, noised, cond, null)[0], loss(predict, noised, cond, null)[0])
+    assert TrainingLoss("imba").state_dict() == {} and TrainingLoss("plain", normalize="timestep_mean").state_dict() == {}

@@ -36,7 +36,7 @@ def ema_optimization_step(checkpoint: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_kind,objective,extra", [
     ("imba", "flow", ["train.grad_accum=2", "train.trackers=tensorboard", "model.encoder_dtype=bfloat16",
-                      "loss.estimator=efficient"]),
+                      "loss.estimator=efficient", "loss.normalize=timestep_mean"]),
     ("plain", "ddpm", ["train.mixed_precision=bf16"]),
 ])
 def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):

@@ -55,11 +55,14 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
         raise ConfigError(str(err)) from err
 
 
-def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank: bool) -> TrainingLoss:
+def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank: bool,
+                        num_processes: int = 1) -> TrainingLoss:
     loss = cfg.loss
+    # normalize=timestep_mean: the running means cover the global batch, so every rank holds the same state
+    reduce = torch.distributed.all_reduce if num_processes > 1 else None
     return TrainingLoss(loss.kind, gamma=loss.gamma, lam=loss.lam, patch_size=patch_size, distance=loss.distance,
                         reference=loss.reference, normalize=loss.normalize, estimator=loss.estimator,
-                        same_passes_on_every_rank=same_passes_on_every_rank)
+                        same_passes_on_every_rank=same_passes_on_every_rank, timestep_reduce=reduce)
 
 
 def build_optimizer(cfg: Config, parameters, num_processes: int):

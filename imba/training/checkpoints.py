@@ -77,18 +77,23 @@ class TrainState:
     """The loop's own counters, saved and restored with the checkpoint (accelerate `register_for_checkpointing`).
 
     `world_size` is the number of processes that wrote the checkpoint (None before the first save or load).
+    `loss`: the training loss, whose running state (if any) travels with the counters.
     """
 
-    def __init__(self, world_size: int | None = None) -> None:
+    def __init__(self, world_size: int | None = None, loss=None) -> None:
         self.step = 0
         self.world_size = world_size
+        self.loss = loss
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "world_size": self.world_size}
+        return {"step": self.step, "world_size": self.world_size,
+                "loss": {} if self.loss is None else self.loss.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.world_size = state.get("world_size")
+        if self.loss is not None:
+            self.loss.load_state_dict(state.get("loss", {}))
 
 
 def register_state(accelerator: Accelerator, ema, state: TrainState) -> None:

@@ -74,7 +74,7 @@ class LossConfig:
     lam: float = 0.9  # IMBA: weight of the conditional term; plain: caption dropout p = 1 - lam
     distance: str = "mse"  # mse | l1 | l2
     reference: str = "target"  # target (paper) | cond (unbiased optimum, docs/method.md)
-    normalize: str = "none"  # none | batch_mean
+    normalize: str = "none"  # none | batch_mean | timestep_mean (running mean of D per timestep bin)
     # literal: cond + uncond passes with grad on every sample (≈ 2× a plain step); efficient: unbiased estimator of
     # the same gradient, caption dropout 1 - lam + no-grad uncond pass on the kept samples (≈ 1.3×)
     estimator: str = "literal"

@@ -29,8 +29,8 @@ class MetricWindow:
 
     def add(self, stats: dict) -> None:
         for name, value in stats.items():
-            if name.endswith("_per_sample"):
-                continue  # per-sample tensors are for the concept-bucket monitor, not scalar logs
+            if name.endswith(("_per_sample", "_per_token")):
+                continue  # per-sample and per-token tensors are for the concept-bucket monitor, not scalar logs
             value = torch.as_tensor(value).detach()
             value = value.reshape(()).float()
             finite = torch.isfinite(value)  # e.g. a weight statistic that is undefined for this batch
