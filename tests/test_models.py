@@ -84,8 +84,14 @@ def test_predict_keeps_the_mean_channels_of_learned_variance_checkpoints():
     full = torch.nn.Linear(dit.proj_out.in_features, 2 * 2 * 8)  # patch 2 × 2, 8 output channels
     dit.proj_out = full
     dit.out_channels = 8
-    out = predict(dit, torch.randn(1, 4, 8, 8), torch.tensor([1.0]), torch.randn(1, 4, 64), torch.ones(1, 4))
+    args = (torch.randn(1, 4, 8, 8), torch.tensor([1.0]), torch.randn(1, 4, 64), torch.ones(1, 4))
+    out = predict(dit, *args)
     assert out.shape == (1, 4, 8, 8)
+    raw = dit(args[0], encoder_hidden_states=args[2], encoder_attention_mask=args[3], timestep=args[1],
+              added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False)[0]
+    assert raw.shape == (1, 8, 8, 8)
+    # the mean is the first C channels; the last C are the learned variance, which the loss must never train
+    assert torch.equal(out, raw[:, :4]) and not torch.allclose(out, raw[:, 4:])
 
 
 def test_encoders_load_from_a_local_folder(tmp_path):

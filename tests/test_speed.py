@@ -36,6 +36,16 @@ def reference():
     return loss_and_grads(apply_speed_settings(tiny_dit()))
 
 
+def test_attention_switch_installs_its_processor_on_every_attention_layer():
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    eager = apply_speed_settings(tiny_dit(), attention="eager").attn_processors
+    sdpa = apply_speed_settings(tiny_dit()).attn_processors
+    assert len(eager) == len(sdpa) > 0
+    assert all(type(p) is AttnProcessor for p in eager.values())
+    assert all(type(p) is AttnProcessor2_0 for p in sdpa.values())
+
+
 def test_eager_attention_matches_sdpa(reference):
     loss, grads = loss_and_grads(apply_speed_settings(tiny_dit(), attention="eager"))
     torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6)
@@ -45,7 +55,12 @@ def test_eager_attention_matches_sdpa(reference):
 def test_gradient_checkpointing_gives_the_same_gradients(reference):
     dit = apply_speed_settings(tiny_dit(), gradient_checkpointing=True)
     assert dit.gradient_checkpointing
+    calls = []
+    checkpoint = dit._gradient_checkpointing_func
+    dit._gradient_checkpointing_func = lambda *a, **k: calls.append(a[0]) or checkpoint(*a, **k)
     loss, grads = loss_and_grads(dit)
+    # every transformer block ran through activation checkpointing (one forward of 2B rows)
+    assert calls == list(dit.transformer_blocks)
     torch.testing.assert_close(loss, reference[0])
     torch.testing.assert_close(grads, reference[1], rtol=1e-5, atol=1e-7)
 
@@ -59,9 +74,13 @@ def test_bf16_autocast_stays_close(reference):
 
 @pytest.mark.slow
 def test_compiled_dit_matches_eager(reference):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     dit = apply_speed_settings(tiny_dit(), compile=True)
     loss, grads = loss_and_grads(dit)
     assert type(dit).__name__ == "PixArtTransformer2DModel"  # compiled in place: checkpoints/export unaffected
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo really captured and compiled the forward
     torch.testing.assert_close(loss, reference[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(grads, reference[1], rtol=1e-3, atol=1e-5)
 
