@@ -226,6 +226,13 @@ def test_full_disk_reported_by_torch_save_is_one_line_and_a_bug_is_not_hidden(ru
     assert not list(run.root.glob(".tmp*")) and list_checkpoints(run.root) == [earlier]
 
 
+def test_keep_zero_keeps_every_checkpoint(run):
+    for _ in range(4):
+        run.save(keep=0)
+    assert [p.name for p in list_checkpoints(run.root)] == [f"step_{i:07d}" for i in range(1, 5)]
+    assert resolve_resume("latest", run.root).name == "step_0000004"
+
+
 def test_rotation_never_deletes_the_checkpoint_just_saved(run):
     for _ in range(3):
         run.save(keep=2)

@@ -55,12 +55,12 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
         later = load_file(tmp_path / "from_ckpt" / "transformer" / "diffusion_pytorch_model.safetensors")
         assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
 
-    second = run_train([*common, "train.max_steps=6", "--resume", "latest"], tmp_path)
+    second = run_train([*common, "train.max_steps=6", "train.keep_checkpoints=2", "--resume", "latest"], tmp_path)
     assert f"resumed from {out / 'checkpoints' / 'step_0000004'} at step 4" in second.stdout
     assert "done: step 6" in second.stdout
-    # keep_checkpoints=3: the oldest is pruned; the EMA continued from its saved state rather than restarting
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [
-        "step_0000002", "step_0000004", "step_0000006"]
+    # keep_checkpoints=2: the oldest is pruned, `latest` names the new one; the EMA continued from its saved state
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_0000004", "step_0000006"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000006"
     assert ema_optimization_step(out / "checkpoints" / "step_0000006") == 6
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
