@@ -90,13 +90,19 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
 def test_fine_tune_from_an_export_at_another_resolution(tmp_path):
     base, tuned = tmp_path / "base", tmp_path / "tuned"
     run_train([*TINY_RUN, f"train.output_dir={base}", "train.max_steps=2"], tmp_path)
+    # a learning rate too small to move a float32 weight: the export must hold the base model's weights exactly,
+    # which a run that silently started from random weights would not
     done = run_train([*TINY_RUN, f"train.output_dir={tuned}", "train.max_steps=2", "data.resolution=128",
-                      f"model.pretrained={base / 'export'}"], tmp_path)
+                      f"model.pretrained={base / 'export'}", "optim.lr=1.0e-30"], tmp_path)
     assert "done: step 2" in done.stdout
     from diffusers import PixArtTransformer2DModel
+    from safetensors.torch import load_file
 
     tuned_model = PixArtTransformer2DModel.from_pretrained(tuned / "export" / "transformer")
     assert tuned_model.config.sample_size == 16  # 128 px / 8
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    before, after = load_file(base / "export" / weights), load_file(tuned / "export" / weights)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.slow
