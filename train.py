@@ -156,6 +156,7 @@ def main(argv: list[str]) -> int:
             diverged = "the weights or their EMA are not finite"  # never checkpoint them, nor rotate good ones out
         if diverged:
             accelerator.print(f"error: {diverged_message(diverged, step, newest_intact(checkpoint_root))}")
+            preemption.restore()
             accelerator.end_training()
             return DIVERGED_EXIT_CODE
         with throughput.paused():
@@ -166,6 +167,7 @@ def main(argv: list[str]) -> int:
         if preempted:
             accelerator.print(f"pre-empted: checkpoint at step {step} saved; exiting with {REQUEUE_EXIT_CODE} "
                               "so the job is requeued (it resumes from the latest checkpoint)")
+            preemption.restore()
             accelerator.end_training()
             return REQUEUE_EXIT_CODE
     progress.close()
@@ -182,6 +184,7 @@ def main(argv: list[str]) -> int:
               f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
               f"(PixArtAlphaPipeline.from_pretrained('{export_dir}'))")
     accelerator.wait_for_everyone()
+    preemption.restore()  # leave the caller's signal handlers as they were (train.main may run in-process)
     accelerator.end_training()
     return 0
 

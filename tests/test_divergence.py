@@ -19,13 +19,12 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-import train
 from data.precomputed import LATENT_MEMBER, load_npy, npy_bytes
 from imba.training.checkpoints import load_ema_state
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite
 
 from test_distributed import digests, launch
-from test_train_precomputed import RES, TOKENS, precomputed  # noqa: F401 (a fixture)
+from test_train_precomputed import RES, TOKENS, precomputed, run_main  # noqa: F401 (a fixture)
 
 
 
@@ -95,7 +94,7 @@ def checkpoint_weights(checkpoint: Path) -> dict:
 def test_a_non_finite_loss_skips_the_step_and_the_ema_update(poisoned, tmp_path, capsys):
     out = tmp_path / "run"
     # one rank, 6 batches per epoch: the poisoned sample is drawn once in 6 steps
-    assert train.main(run_args(out, poisoned, "train.max_steps=6", "train.save_every=1",
+    assert run_main(run_args(out, poisoned, "train.max_steps=6", "train.save_every=1",
                                "train.keep_checkpoints=0")) == 0
     skipped = [int(s) for s in re.findall(r"warning: step (\d+) skipped", capsys.readouterr().out)]
     assert len(skipped) == 1 and metric_rows(out)[-1]["nonfinite_steps"] == 1
@@ -116,7 +115,7 @@ def test_a_non_finite_loss_skips_the_step_and_the_ema_update(poisoned, tmp_path,
 @pytest.mark.slow
 def test_a_diverged_run_stops_without_saving_or_exporting_diverged_weights(tmp_path, capsys):
     out = tmp_path / "run"
-    code = train.main([f"train.output_dir={out}", "optim.lr=10000.0", "optim.grad_clip=0", "optim.warmup_steps=0",
+    code = run_main([f"train.output_dir={out}", "optim.lr=10000.0", "optim.grad_clip=0", "optim.warmup_steps=0",
                        "train.max_steps=30", "data.resolution=64", "data.batch_size=4", "data.synthetic_samples=64",
                        "train.save_every=1", "train.sample_every=0", "train.max_bad_steps=5", "train.trackers=none",
                        "train.log_every=1",

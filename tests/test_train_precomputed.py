@@ -2,8 +2,10 @@
 and the run resumes and exports like an image run."""
 
 import json
+import signal
 
 import pytest
+from accelerate.state import AcceleratorState
 
 import train
 from data.precompute import PrecomputeSettings, precompute_shards
@@ -21,6 +23,18 @@ def precomputed(tmp_path_factory):
     out = tmp_path_factory.mktemp("features")
     precompute_shards(shards, out, PrecomputeSettings(resolution=RES, max_text_tokens=TOKENS), batch_size=4)
     return out
+
+
+def run_main(argv):
+    """`train.main` in this process. It must give back the signal handlers it installed (pre-emption); the
+    accelerate state it made is reset here, so later tests start from none."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        return train.main(argv)
+    finally:
+        after = {s: signal.getsignal(s) for s in before}
+        AcceleratorState._reset_state(reset_partial_state=True)
+        assert after == before, "train.main left its signal handlers installed"
 
 
 def args(out, features, *extra):
@@ -42,7 +56,7 @@ def test_training_on_precomputed_features_loads_the_encoders_only_to_sample(prec
         return real_load(cls, *a, **k)
 
     monkeypatch.setattr(FrozenEncoders, "load", classmethod(counting_load))
-    assert train.main(args(out, precomputed, "train.max_steps=2")) == 0
+    assert run_main(args(out, precomputed, "train.max_steps=2")) == 0
     assert loads == [["step_0000002"]]  # once, after the last step, for the grid and the export
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
@@ -50,7 +64,7 @@ def test_training_on_precomputed_features_loads_the_encoders_only_to_sample(prec
 
     # resume continues from the checkpoint over the same precomputed data
     loads.clear()
-    assert train.main(args(out, precomputed, "train.max_steps=4")) == 0
+    assert run_main(args(out, precomputed, "train.max_steps=4")) == 0
     assert loads == [["step_0000002", "step_0000004"]]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -58,9 +72,9 @@ def test_training_on_precomputed_features_loads_the_encoders_only_to_sample(prec
 
 def test_a_config_that_does_not_match_the_features_is_refused(precomputed, tmp_path):
     with pytest.raises(ConfigError, match="resolution=64 wanted, 32 precomputed"):
-        train.main(args(tmp_path / "run", precomputed, "data.resolution=64"))
+        run_main(args(tmp_path / "run", precomputed, "data.resolution=64"))
 
 
 def test_bucketing_is_refused_on_precomputed_features(precomputed, tmp_path):
     with pytest.raises(ConfigError, match="precomputed latents have one fixed size"):
-        train.main(args(tmp_path / "run", precomputed, "data.bucketing=true", "train.max_steps=1"))
+        run_main(args(tmp_path / "run", precomputed, "data.bucketing=true", "train.max_steps=1"))
