@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from imba.training.checkpoints import list_checkpoints, resolve_resume, write_manifest
+from imba.training.checkpoints import list_checkpoints, resolve_resume, verify_checkpoint, write_manifest
 from imba.training.preemption import SIGNALS, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,3 +103,78 @@ def test_latest_pointer_wins_and_falls_back_to_the_newest(tmp_path):
     assert resolve_resume("latest", tmp_path / "empty") is None
     with pytest.raises(FileNotFoundError, match="--resume latest"):
         resolve_resume(str(tmp_path / "nope"), root)
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the training processes under an `accelerate launch` process (read from their environment)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+            cmdline = (entry / "cmdline").read_text()
+        except OSError:
+            continue
+        if "train.py" in cmdline and "RANK" in env and env.get("TORCHELASTIC_RUN_ID") is not None \
+                and "accelerate.commands.launch" not in cmdline and _descends_from(int(entry.name), launcher_pid):
+            found[int(env["RANK"])] = int(entry.name)
+    return found
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_makes_both_ranks_save_the_same_step_and_exit_75(tmp_path):
+    from test_distributed import RUN as DIST_RUN, launch_command, launch_env, LAUNCHERS
+
+    out = tmp_path / "run"
+    cmd = [*launch_command("ddp"), str(REPO / "train.py"), *DIST_RUN, f"train.output_dir={out}",
+           "train.max_steps=100000", "train.save_every=0"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(LAUNCHERS["ddp"][1]), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while len(logged_steps(out / "metrics.jsonl")) < 3:
+            assert proc.poll() is None and time.time() < deadline, "training did not start"
+            time.sleep(0.2)
+        ranks = rank_pids(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGUSR1)  # only rank 1 hears it, as when a node-local signal arrives first
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    # both ranks agreed on the step, saved it together and exited 75 (the launcher reports each exit code)
+    assert "pre-empted: checkpoint at step" in stdout, stderr[-3000:]
+    assert len(re.findall(r"exitcode\s*:\s*75", stderr)) == 2, stderr[-3000:]
+    (checkpoint,) = list_checkpoints(out / "checkpoints")
+    step = int(checkpoint.name.split("_")[1])
+    assert f"checkpoint at step {step} saved" in stdout and logged_steps(out / "metrics.jsonl")[-1] == step
+    assert (checkpoint / "random_states_0.pkl").is_file() and (checkpoint / "random_states_1.pkl").is_file()
+    assert verify_checkpoint(checkpoint) is None
+
+
+@pytest.mark.slow
+def test_a_signal_at_the_last_step_finishes_the_run_normally(tmp_path, monkeypatch):
+    from test_train_precomputed import run_main
+
+    real_init = PreemptionHandler.__init__
+
+    def signalled(self, *a, **k):  # a signal that is already pending when the (only, last) step checks
+        real_init(self, *a, **k)
+        self.received = signal.SIGUSR1
+
+    monkeypatch.setattr(PreemptionHandler, "__init__", signalled)
+    out = tmp_path / "run"
+    assert run_main([*RUN, f"train.output_dir={out}", "train.max_steps=1"]) == 0
+    assert (out / "export" / "model_index.json").is_file()
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_0000001"]
