@@ -2,6 +2,7 @@
 and the run resumes and exports like an image run."""
 
 import json
+import os
 import signal
 
 import pytest
@@ -78,3 +79,46 @@ def test_a_config_that_does_not_match_the_features_is_refused(precomputed, tmp_p
 def test_bucketing_is_refused_on_precomputed_features(precomputed, tmp_path):
     with pytest.raises(ConfigError, match="precomputed latents have one fixed size"):
         run_main(args(tmp_path / "run", precomputed, "data.bucketing=true", "train.max_steps=1"))
+
+
+def test_bad_precomputed_samples_are_skipped_counted_and_substituted_deterministically(precomputed, tmp_path):
+    """A wrong-dtype latent, a truncated latent .npy, a missing t5.npy and a shard rewritten after indexing: the
+    reader delivers only good samples, counts each bad one under its reason, and substitutes the same way twice."""
+    import shutil
+
+    import numpy as np
+    import webdataset as wds
+
+    from data.precomputed import BAD_PRECOMPUTED, LATENT_MEMBER, TEXT_MEMBER, PrecomputedShards, npy_bytes
+    from shard_helpers import write_tar
+
+    folder = tmp_path / "features"
+    shutil.copytree(precomputed, folder)
+    shard = sorted(folder.glob("*.tar"))[0]
+    samples = [dict(s) for s in wds.WebDataset(str(shard), shardshuffle=False)]
+    good = [s["__key__"] for s in samples]
+    latent = np.frombuffer(samples[1][LATENT_MEMBER][128:], dtype=np.float16)  # header of np.save is 128 bytes
+    samples[1][LATENT_MEMBER] = npy_bytes(latent.astype(np.float32).reshape(-1))  # wrong dtype (and shape)
+    samples[2][LATENT_MEMBER] = samples[2][LATENT_MEMBER][: len(samples[2][LATENT_MEMBER]) // 2]  # truncated
+    del samples[3][TEXT_MEMBER]  # missing T5 states
+    hostile = folder / "hostile.tar"
+    write_tar(hostile, [{k: v for k, v in s.items() if not k.startswith("__") or k == "__key__"} for s in samples])
+    bad_keys = {good[1], good[2], good[3]}
+
+    def read_all(ds):
+        return [ds[i]["key"] for i in range(len(ds))]
+
+    first = PrecomputedShards([str(hostile)], index_dir=tmp_path / "index")
+    keys = read_all(first)
+    assert len(keys) == len(samples) and not set(keys) & bad_keys and set(keys) == set(good) - bad_keys
+    assert first.stats.bad == {BAD_PRECOMPUTED: 3} and first.stats.good == len(samples)
+    again = PrecomputedShards([str(hostile)], index_dir=tmp_path / "index")
+    assert read_all(again) == keys  # the same substitutes, in the same places
+
+    # the shard is rewritten after it was indexed (fewer samples): rescanned, never read at stale offsets
+    write_tar(hostile, [{k: v for k, v in s.items() if not k.startswith("__") or k == "__key__"}
+                        for s in samples[:2]])
+    os.utime(hostile, ns=(1, 1))  # even with an old mtime, the size differs
+    changed = PrecomputedShards([str(hostile)], index_dir=tmp_path / "index")
+    assert len(changed) == 2 and read_all(changed) == [good[0], good[0]]
+    assert changed.stats.bad == {BAD_PRECOMPUTED: 1}
