@@ -175,6 +175,44 @@ def test_deepspeed_config_through_accelerate_and_deepspeed(name, stage, monkeypa
     assert parsed.zero_config.gather_16bit_weights_on_model_save == (stage == 3)
 
 
+PREPARE_PROBE = """
+import json, sys
+from pathlib import Path
+import torch
+from imba.training.config import load_config
+from imba.training.distributed import configure_deepspeed, make_accelerator
+cfg = load_config(["train.grad_accum=2", "data.batch_size=4", "train.trackers=none"])
+accelerator = make_accelerator(cfg, Path(sys.argv[1]))
+configure_deepspeed(accelerator, cfg.data.batch_size)
+model = torch.nn.Linear(8, 8)
+engine, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+print("ENGINE", json.dumps({
+    "stage": engine.zero_optimization_stage(), "micro": engine.train_micro_batch_size_per_gpu(),
+    "accum": engine.gradient_accumulation_steps(), "clip": engine.gradient_clipping(),
+    "train_batch": engine.train_batch_size(), "bf16": engine.bfloat16_enabled(), "fp16": engine.fp16_enabled(),
+    "zero_optimizer": type(engine.optimizer).__name__, "world": accelerator.num_processes}))
+"""
+
+
+@pytest.mark.slow
+def test_zero2_yaml_gives_the_engine_the_loops_settings_after_prepare(tmp_path):
+    """What DeepSpeed really holds after `accelerator.prepare()` when launched with the shipped YAML (one process
+    over gloo): the loop's micro batch, accumulation and clipping, ZeRO-2 partitioning the torch AdamW."""
+    script = tmp_path / "probe.py"
+    script.write_text(PREPARE_PROBE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                  str(Path.home() / ".cache" / "imba-torch-ext"))}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           "launch/accelerate/zero2.yaml", "--num_processes", "1", "--num_machines", "1",
+                           "--main_process_port", "0", "--mixed_precision", "no", str(script), str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = json.loads(proc.stdout.split("ENGINE ", 1)[1].splitlines()[0])
+    assert engine == {"stage": 2, "micro": 4, "accum": 2, "clip": 1.0, "train_batch": 8, "bf16": False,
+                      "fp16": False, "zero_optimizer": "DeepSpeedZeroOptimizer", "world": 1}
+
+
 def test_mixed_precision_in_a_deepspeed_yaml_is_refused(tmp_path, monkeypatch):
     """Why the ZeRO YAMLs carry no mixed_precision: accelerate rejects it next to a deepspeed_config_file."""
     from accelerate.utils import DeepSpeedPlugin
