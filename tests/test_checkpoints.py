@@ -291,3 +291,10 @@ def test_rerun_after_a_truncated_checkpoint_resumes_from_the_previous_one_exactl
     assert f"resumed from {step2} at step 2" in rerun.stdout
     assert final_digest(rerun.stdout) == final_digest(uninterrupted.stdout)
     assert checkpoints.verify_checkpoint(step4) is None  # saved again, whole
+
+
+def test_to_universal_refuses_a_checkpoint_without_deepspeed_shards(run):
+    saved = run.save()
+    with pytest.raises(ConfigError, match="holds no DeepSpeed ZeRO optimizer shards"):
+        checkpoints.to_universal(saved)
+    assert not (saved / checkpoints.UNIVERSAL_DIR).exists()

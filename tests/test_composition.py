@@ -1,7 +1,9 @@
-"""The synthetic composition benchmark (bench/composition.py): its world, weights, statistics and a smoke run."""
+"""The synthetic composition benchmark (bench/composition.py): its world, streams, judge, statistics and a smoke
+run."""
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,8 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import composition  # noqa: E402
-from composition_scenes import (COLOURS, HELD_OUT, SHAPES, PairWorld, WordEncoder, caption, draw_pairs,  # noqa: E402
-                                render, train_oracle)
+from composition_scenes import (COLOURS, HELD_OUT, MIN_TILES, NOTHING, SHAPES, PairWorld, TilePool,  # noqa: E402
+                                WordEncoder, caption, judge, pair_name, render_tiles, train_oracle)
 
 
 def test_world_holds_out_pairs_and_splits_the_seen_ones_in_thirds():
@@ -21,45 +23,100 @@ def test_world_holds_out_pairs_and_splits_the_seen_ones_in_thirds():
     assert len(world.pairs) == len(COLOURS) * len(SHAPES)
     assert math.isclose(float(world.probs.sum()), 1.0, rel_tol=1e-9)
     assert all(world.prob(p) == 0 and world.buckets[p] == "held_out" for p in HELD_OUT)
-    seen = [p for p in world.pairs if p not in HELD_OUT]
-    counts = {b: sum(world.buckets[p] == b for p in seen) for b in ("head", "torso", "tail")}
-    assert counts == {"head": 7, "torso": 7, "tail": 7}
-    head_min = min(world.prob(p) for p in seen if world.buckets[p] == "head")
-    tail_max = max(world.prob(p) for p in seen if world.buckets[p] == "tail")
+    counts = {b: sum(world.buckets[p] == b for p in world.seen) for b in ("head", "torso", "tail")}
+    assert counts == {"head": 11, "torso": 12, "tail": 11}
+    head_min = min(world.prob(p) for p in world.seen if world.buckets[p] == "head")
+    tail_max = max(world.prob(p) for p in world.seen if world.buckets[p] == "tail")
     assert head_min > tail_max
-    # the most frequent pair is ~50× the rarest seen one: a long tail
-    probs = [world.prob(p) for p in seen]
-    assert max(probs) / min(probs) > 40
     # every concept of a held-out pair is seen in training with another partner
     for c, s in HELD_OUT:
         assert any(world.prob((c, other)) > 0 for other in range(len(SHAPES)))
         assert any(world.prob((other, s)) > 0 for other in range(len(COLOURS)))
 
 
-def test_draws_follow_the_world_and_never_show_held_out_pairs():
+def test_pool_is_long_tailed_with_a_floor_for_every_seen_pair():
     world = PairWorld()
-    pairs = draw_pairs(world, 4000, torch.Generator().manual_seed(0))
-    assert not set(pairs) & set(HELD_OUT)
-    share = pairs.count((0, 0)) / len(pairs)
-    assert abs(share - world.prob((0, 0))) < 0.03
+    counts = world.pool_counts(8192, 8)
+    assert set(counts) == set(world.seen)
+    assert min(counts.values()) == 8
+    assert max(counts.values()) / min(counts.values()) > 300  # the head pair has hundreds of times the tail's tiles
+    assert counts[(0, 0)] == round(8192 * world.prob((0, 0)))
 
 
-def test_render_is_deterministic_and_in_range():
-    a = render([(0, 0), (4, 4)], seed=1, tag="t")
-    b = render([(0, 0), (4, 4)], seed=1, tag="t")
-    assert a.shape == (2, 3, 16, 16) and torch.equal(a, b)
+def test_streams_draw_the_same_pool_long_tailed_or_pair_balanced():
+    world = PairWorld()
+    pool = TilePool(world, seed=0, tiles=600, floor=MIN_TILES)
+    assert pool.images.shape == (len(pool), 3, 16, 16)
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    tail = pool.draw(n, balanced=False, generator=g)
+    balanced = pool.draw(n, balanced=True, generator=g)
+    assert int(tail.min()) >= 0 and int(tail.max()) < len(pool) and int(balanced.max()) < len(pool)
+
+    def share(indices, pair):
+        return sum(pool.pair_of_tile[i] == pair for i in indices.tolist()) / n
+
+    head, rare = (0, 0), min(world.seen, key=world.prob)
+    assert share(tail, head) == pytest.approx(pool.pair_of_tile.count(head) / len(pool), abs=0.015)
+    assert share(tail, rare) < 0.03
+    for pair in (head, rare):
+        assert share(balanced, pair) == pytest.approx(1 / len(world.seen), abs=0.006)
+    # no held-out pair is ever shown, in either stream
+    assert not {pool.pair_of_tile[i] for i in torch.cat([tail, balanced]).tolist()} & set(HELD_OUT)
+    scenes = pool.scenes(tail[:3], balanced[:3])
+    assert scenes.shape == (3, 3, 16, 32)
+    assert torch.equal(scenes[1, :, :, 16:], pool.images[balanced[1]])
+
+
+def test_render_is_deterministic_in_range_and_can_draw_an_empty_tile():
+    a = render_tiles([(0, 0), (4, 4), None], seed=1, tag="t")
+    b = render_tiles([(0, 0), (4, 4), None], seed=1, tag="t")
+    assert a.shape == (3, 3, 16, 16) and torch.equal(a, b)
     assert a.min() >= -1 and a.max() <= 1
-    assert not torch.equal(a, render([(0, 0), (4, 4)], seed=2, tag="t"))
+    assert not torch.equal(a, render_tiles([(0, 0), (4, 4), None], seed=2, tag="t"))
+    assert a[2].flatten(1).std(dim=1).max() == 0  # background only: one colour everywhere
 
 
-def test_word_encoder_gives_each_word_its_own_vector_and_a_one_token_null():
+def test_word_encoder_tells_words_and_their_positions_apart_and_has_a_one_token_null():
     text = WordEncoder(dim=8)
-    embeds, mask = text.encode_pairs([(0, 0), (1, 0)])
-    assert embeds.shape == (2, 4, 8) and mask.tolist() == [[1, 1, 1, 1]] * 2
-    assert torch.equal(embeds[0, 2], embeds[1, 2])  # same shape word
+    embeds, mask = text.encode([(0, 0), (1, 0)], [(1, 0), (0, 0)])
+    assert embeds.shape == (2, 8, 8) and mask.tolist() == [[1] * 8] * 2
+    assert torch.equal(embeds[0, 2], embeds[1, 2])  # same shape word at the same place
     assert not torch.equal(embeds[0, 1], embeds[1, 1])  # different colour words
+    # "a red circle and a blue circle" is not "a blue circle and a red circle": the bag of words is the same
+    torch.testing.assert_close(embeds[0, 1] - text.positions[1], embeds[1, 5] - text.positions[5])
+    assert not torch.allclose(embeds[0], embeds[1])
     null_embeds, null_mask = text.null(3)
-    assert null_mask.tolist() == [[1, 0, 0, 0]] * 3 and torch.equal(null_embeds[0, 0], embeds[0, 3])
+    end = text.table[text.vocab["<end>"]]
+    assert null_mask.tolist() == [[1] + [0] * 7] * 3
+    torch.testing.assert_close(null_embeds[0, 0] - text.positions[0], embeds[0, 7] - text.positions[7])
+    torch.testing.assert_close(null_embeds[0, 0], end + text.positions[0])
+    assert caption((0, 0), (7, 4)) == "a red circle and a cyan ring"
+
+
+def test_judge_counts_a_missing_object_and_a_colour_on_the_wrong_shape():
+    left, right = [(0, 0)] * 5, [(1, 1)] * 5
+    colours = torch.tensor([[0, 1], [0, 1], [1, 0], [1, 1], [2, 1]])
+    shapes = torch.tensor([[0, 1], [NOTHING, 1], [0, 1], [0, 1], [0, 1]])
+    ok, kinds = judge(colours, shapes, left, right)
+    assert ok.tolist() == [True, False, False, False, False]
+    # swapped colours and a colour leaking onto the other shape are binding failures; a third colour is not
+    assert kinds == [None, "missing_object", "colour_on_wrong_shape", "colour_on_wrong_shape", "other"]
+    # a right shape with the other object's colour is no binding failure when both objects share the colour
+    ok, kinds = judge(torch.tensor([[0, 3]]), torch.tensor([[0, 1]]), [(0, 0)], [(0, 1)])
+    assert kinds == ["other"]
+
+
+def test_probe_prompts_put_each_pair_on_both_sides_next_to_head_pairs():
+    world = PairWorld()
+    prompts = composition.probe_prompts(world, 4)
+    assert len(prompts) == 4 * len(world.pairs)
+    heads = {p for p in world.seen if world.buckets[p] == "head"}
+    for probe, left, right in prompts:
+        partner = right if left == probe else left
+        assert probe in (left, right) and partner in heads and partner != probe
+    first = prompts[:4]
+    assert [p[1] == p[0] for p in first] == [True, False, True, False]
 
 
 def test_inverse_frequency_weights_have_mean_one_and_favour_rare_concepts():
@@ -73,69 +130,121 @@ def test_inverse_frequency_weights_have_mean_one_and_favour_rare_concepts():
     assert weights[(1, 0)] > weights[(0, 1)] > weights[(0, 0)]
 
 
-def test_mean_ci_uses_the_t_interval_over_seeds():
-    mean, half = composition.mean_ci([0.5, 0.7, 0.9])
-    assert math.isclose(mean, 0.7) and math.isclose(half, 4.303 * 0.2 / math.sqrt(3), rel_tol=1e-6)
-    assert composition.mean_ci([0.4]) == (0.4, 0.0)
+def test_importance_weights_turn_the_pool_into_the_balanced_stream_in_expectation():
+    pairs = [(0, 0)] * 6 + [(0, 1)] * 3 + [(1, 0)] * 1
+    weights = composition.importance_weights(pairs)
+    assert math.isclose(sum(weights[p] for p in pairs) / len(pairs), 1.0)
+    # each pair's total weight in the pool is the same: every pair counts equally, as in the balanced stream
+    assert all(math.isclose(pairs.count(p) * w, len(pairs) / 3) for p, w in weights.items())
 
 
-def test_summary_averages_pairs_within_buckets_then_seeds():
+def test_controls_train_on_to_the_equal_compute_lengths():
+    assert composition.train_lengths("plain", [1000]) == [1000, 1300, 2000]
+    assert composition.train_lengths("plain_balanced_eps", [100, 200]) == [100, 130, 200, 260, 400]
+    assert composition.train_lengths("imba_target", [1000]) == [1000]
+    assert composition.relative_cost("imba_cond_tnorm_efficient") == 1.3
+    assert composition.relative_cost("imba_sample") == 2.0 and composition.relative_cost("inverse_freq") == 1.0
+
+
+def test_half_distances_split_the_token_grid_into_left_and_right():
+    per_token = torch.arange(8.0).repeat(2, 1)  # 2 rows × 4 columns of tokens: left columns 0-1
+    left, right = composition.half_distances(per_token, 2, 4)
+    assert left.tolist() == [(0 + 1 + 4 + 5) / 4] * 2 and right.tolist() == [(2 + 3 + 6 + 7) / 4] * 2
+
+
+def _runs(world, values):
+    """Fake finished runs: {(variant, length): {seed: success on tail pairs}}, 1.0 everywhere else."""
+    runs = {}
+    for (variant, length), seeds in values.items():
+        for seed, tail in seeds.items():
+            per_pair = {pair_name(p): (tail if world.buckets[p] == "tail" else 1.0) for p in world.pairs}
+            failures = {pair_name(p): {"missing_object": 1, "colour_on_wrong_shape": 0, "other": 0}
+                        for p in world.pairs}
+            run = runs.setdefault((variant, seed), {"variant": variant, "seed": seed, "results": {},
+                                                    "settings": {"per_pair": 4}})
+            run["results"][length] = {"per_pair": per_pair, "failures": failures}
+    return list(runs.values())
+
+
+def test_summary_and_gap_closed_pair_the_seeds_and_use_the_equal_compute_controls():
     world = PairWorld()
-    runs = []
-    for seed, value in ((0, 0.2), (1, 0.4)):
-        per_pair = {caption(p): (value if world.buckets[p] == "tail" else 1.0) for p in world.pairs}
-        runs.append({"variant": "plain", "seed": seed, "results": {100: {"per_pair": per_pair}}})
+    runs = _runs(world, {
+        ("plain", 100): {0: 0.2, 1: 0.4}, ("plain", 200): {0: 0.3, 1: 0.5},
+        ("plain_balanced", 100): {0: 0.6, 1: 0.8}, ("plain_balanced", 200): {0: 0.9, 1: 0.9},
+        ("imba_target", 100): {0: 0.4, 1: 0.6},
+    })
     summary = composition.summarise(runs, world)
     mean, half = summary[100]["plain"]["tail"]
     assert math.isclose(mean, 0.3) and math.isclose(half, 12.706 * math.sqrt(0.02) / math.sqrt(2))
     assert summary[100]["plain"]["head"] == (1.0, 0.0)
-    table = composition.markdown_table(summary, ["plain"], seeds=2)
-    assert "| plain | 100.0 ± 0.0 | 100.0 ± 0.0 | 30.0 ± " in table
+    steps = composition.gap_closed(runs, world, [100], compute=False)[100]["imba_target"]
+    assert steps["reference_steps"] == 100 and steps["seeds"] == [0, 1]
+    assert steps["buckets"]["tail"]["gain"] == pytest.approx((0.2, 0.0))
+    assert steps["buckets"]["tail"]["gap"] == pytest.approx((0.4, 0.0))
+    assert steps["buckets"]["tail"]["fraction"] == pytest.approx(0.5)
+    assert steps["buckets"]["head"]["fraction"] is None  # no gap on the head: no fraction
+    compute = composition.gap_closed(runs, world, [100], compute=True)[100]["imba_target"]
+    # literal IMBA costs 2 plain steps: compared with the controls at 200 steps (gap 0.5, gain 0.1)
+    assert compute["reference_steps"] == 200
+    assert compute["buckets"]["tail"]["fraction"] == pytest.approx(0.1 / 0.5)
+    failures = composition.failure_table(runs, world, 100)
+    assert failures["plain"]["tail"] == {"missing_object": 0.25, "colour_on_wrong_shape": 0.0, "other": 0.0}
+    report = composition.markdown_report(summary, {"equal compute": {100: {"imba_target": compute}}}, failures,
+                                         ["plain", "plain_balanced", "imba_target"], [100], seeds=2)
+    assert "| plain | 100.0 ± 0.0 | 100.0 ± 0.0 | 30.0 ± " in report
+    assert "| plain_balanced @ 200 steps |" in report
+    assert "| imba_target | 200 | 0.0 ± 0.0 | 50.0 ± 127.1 | 10.0 ± 0.0 | 20 % |" in report
 
 
-def test_bar_plot_draws_one_panel_per_length_and_rejects_an_empty_summary(tmp_path):
+def test_bar_plot_draws_the_equal_steps_and_equal_compute_panels_and_rejects_an_empty_summary(tmp_path):
     from PIL import Image
 
     cells = {b: (0.5, 0.1) for b in composition.BUCKETS}
     summary = {100: {"plain": cells, "imba_cond": cells}, 200: {"plain": cells}}
-    composition.bar_plot(summary, ["plain", "imba_cond"], tmp_path / "composition.png")
+    composition.bar_plot(summary, ["plain", "imba_cond"], [100], tmp_path / "composition.png")
     with Image.open(tmp_path / "composition.png") as img:
         assert img.format == "PNG" and img.size == (2 * 620 + 220, 520)
     with pytest.raises(ValueError, match="nothing to draw"):
-        composition.bar_plot({}, ["plain"], tmp_path / "none.png")
+        composition.bar_plot({}, ["plain"], [], tmp_path / "none.png")
 
 
 @pytest.mark.slow
-def test_oracle_reads_fresh_renders_at_least_98_percent():
+def test_oracle_reads_fresh_tiles_and_empty_halves():
     _, report = train_oracle()
-    assert report["pair_accuracy"] >= 0.98 and report["test_images"] == 2000
+    assert report["pair_accuracy"] >= 0.98 and report["empty_accuracy"] >= 0.99 and report["test_tiles"] == 3000
 
 
 @pytest.mark.slow
-def test_benchmark_smoke_run_writes_results_table_plot_and_grids(tmp_path, capsys):
+def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, capsys):
     oracle, report = train_oracle(steps=20, pool_size=200, test_size=50)
     torch.save(oracle.state_dict(), tmp_path / "oracle.pt")
     (tmp_path / "oracle.json").write_text(json.dumps(report))
-    argv = ["--variants", "plain", "imba_cond", "inverse_freq", "--seeds", "0", "--steps", "2", "4",
-            "--per-pair", "2", "--pool", "64", "--batch-size", "4", "--workers", "1", "--out", str(tmp_path)]
+    argv = ["--variants", "plain", "plain_balanced", "imba_cond_tnorm", "inverse_freq", "--seeds", "0",
+            "--steps", "4", "--per-pair", "2", "--pool", "300", "--batch-size", "4", "--workers", "1",
+            "--out", str(tmp_path)]
     assert composition.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["lengths"] == [2, 4] and results["oracle"] == report
-    assert {r["variant"] for r in results["runs"]} == {"plain", "imba_cond", "inverse_freq"}
+    assert results["lengths"] == [4] and results["oracle"] == report
+    assert {r["variant"] for r in results["runs"]} == {"plain", "plain_balanced", "imba_cond_tnorm", "inverse_freq"}
     for run in results["runs"]:
-        assert set(run["results"]) == {"2", "4"}
+        want = {"4", "5", "8"} if run["variant"].startswith("plain") else {"4"}
+        assert set(run["results"]) == want
         rates = run["results"]["4"]["per_pair"]
-        assert len(rates) == 25 and all(r in (0.0, 0.5, 1.0) for r in rates.values())
-        distance = run["results"]["4"]["distance_per_bucket"]
-        # only IMBA computes the distance; the held-out pairs are never trained on
-        assert (distance["head"] is not None) == (run["variant"] == "imba_cond") and distance["held_out"] is None
-    assert set(results["summary"]) == {"2", "4"}
-    assert "| imba_cond |" in (tmp_path / "results.md").read_text()
+        assert len(rates) == 40 and all(r in (0.0, 0.5, 1.0) for r in rates.values())
+        assert all(sum(kinds.values()) == 2 * (1 - rates[p]) for p, kinds in run["results"]["4"]["failures"].items())
+    assert set(results["summary"]) == {"4", "5", "8"}
+    assert "imba_cond_tnorm" in results["gap_closed"]["equal compute"]["4"]
+    text = (tmp_path / "results.md").read_text()
+    assert "| imba_cond_tnorm |" in text and "Failure kinds" in text
     assert (tmp_path / "composition.png").stat().st_size > 1000
-    assert (tmp_path / "samples_plain_4.png").is_file()
+    assert (tmp_path / "samples_plain_8.png").is_file() and (tmp_path / "samples_imba_cond_tnorm_4.png").is_file()
     # a rerun reuses the saved runs (an interrupted benchmark only redoes what is missing) and reports the same
     first = results["summary"]
     capsys.readouterr()
     assert composition.main(argv) == 0
-    assert "reusing 3 finished runs" in capsys.readouterr().out
+    assert "reusing 4 finished runs" in capsys.readouterr().out
     assert json.loads((tmp_path / "results.json").read_text())["summary"] == first
+    # a fresh checkout has results.json but no runs/ folder: its recorded runs are reused as well
+    shutil.rmtree(tmp_path / "runs")
+    assert composition.main(argv) == 0
+    assert "reusing 4 finished runs" in capsys.readouterr().out

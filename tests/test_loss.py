@@ -236,3 +236,14 @@ def test_training_loss_carries_the_timestep_means_in_its_state():
     restored.load_state_dict(loss.state_dict())
     assert torch.equal(restored(predict, noised, cond, null)[0], loss(predict, noised, cond, null)[0])
     assert TrainingLoss("imba").state_dict() == {} and TrainingLoss("plain", normalize="timestep_mean").state_dict() == {}
+
+
+def test_weighted_plain_loss_scales_each_samples_mse():
+    pred = torch.zeros(3, 1, 2, 2)
+    target = torch.stack([torch.full((1, 2, 2), v) for v in (1.0, 2.0, 3.0)])  # per-sample MSE 1, 4, 9
+    loss, stats = plain_loss(pred, target, sample_weights=torch.tensor([2.0, 0.5, 0.0]))
+    assert loss.item() == pytest.approx((2 * 1 + 0.5 * 4 + 0) / 3)
+    assert stats["loss_per_sample"].tolist() == [1.0, 4.0, 9.0]
+    assert plain_loss(pred, target)[0].item() == pytest.approx(14 / 3)
+    with pytest.raises(ValueError, match=r"sample_weights must have shape \(3,\)"):
+        plain_loss(pred, target, sample_weights=torch.ones(2))

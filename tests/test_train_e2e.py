@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from imba.training.checkpoints import list_checkpoints, load_ema_state
+from imba.training.checkpoints import list_checkpoints, load_ema_state, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = [
@@ -54,6 +54,19 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
         at_end = load_file(out / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
         later = load_file(tmp_path / "from_ckpt" / "transformer" / "diffusion_pytorch_model.safetensors")
         assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
+        # a checkpoint whose config names another model than its EMA holds is refused in one line
+        import shutil
+
+        other = tmp_path / "other" / "checkpoints" / "step_0000004"
+        shutil.copytree(out / "checkpoints" / "step_0000004", other)
+        config = other / "config.yaml"
+        config.write_text(config.read_text().replace("preset: tiny", "preset: micro"))
+        write_manifest(other)
+        refused = subprocess.run([sys.executable, str(REPO / "train.py"), "--export", str(other)], cwd=tmp_path,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+        assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1] == (
+            f"error: the EMA in {other} does not match the model its config.yaml describes")
+        assert "Traceback" not in refused.stderr
 
     second = run_train([*common, "train.max_steps=6", "train.keep_checkpoints=2", "--resume", "latest"], tmp_path)
     assert f"resumed from {out / 'checkpoints' / 'step_0000004'} at step 4" in second.stdout
