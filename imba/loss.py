@@ -105,7 +105,8 @@ class TimestepMean:
         self.means, self.seen = self.means.to(weight.device), self.seen.to(weight.device)
         bins = self.bin_of(timesteps.to(weight.device))
         rows = weight.double().mean(dim=1)
-        use = torch.ones_like(bins, dtype=torch.bool) if valid is None else valid
+        use = torch.isfinite(rows) if valid is None else valid & torch.isfinite(rows)  # a bad step must not
+        # poison the means: the divergence guard skips it, and later steps must see the means from before it
         zeros = torch.zeros(self.bins, dtype=torch.float64, device=weight.device)
         totals = torch.stack([zeros.index_add(0, bins[use], rows[use]),
                               zeros.index_add(0, bins[use], torch.ones_like(rows[use]))])

@@ -175,6 +175,16 @@ def test_timestep_mean_divides_by_the_running_mean_of_each_timestep_bin():
     torch.testing.assert_close(out[1], torch.tensor([40 / 30, 40 / 30]))
 
 
+def test_timestep_mean_ignores_non_finite_weights():
+    from imba.loss import TimestepMean
+
+    norm = TimestepMean(bins=2, momentum=0.5)
+    norm(torch.tensor([[2.0, 2.0], [8.0, 8.0]]), torch.tensor([0.0, 900.0]))
+    out = norm(torch.tensor([[float("inf"), 1.0], [float("nan"), 1.0], [4.0, 4.0]]), torch.tensor([0.0, 900.0, 10.0]))
+    torch.testing.assert_close(norm.means, torch.tensor([3.0, 8.0], dtype=torch.float64))  # only the finite row
+    torch.testing.assert_close(out[2], torch.tensor([4 / 3, 4 / 3]))
+
+
 def test_timestep_mean_removes_the_scale_of_each_noise_level():
     """Distances that differ by 1000× between noise levels give weights of the same size once normalised."""
     g = torch.Generator().manual_seed(0)
