@@ -32,6 +32,9 @@ RUN = [
     "train.trackers=none",
     # running means of D per timestep bin: state that must be the same on every rank for an exact resume
     "loss.normalize=timestep_mean",
+    # the efficient estimator with caption dropout 0.7: at some steps one rank drops every row (no kept row, so no
+    # no-grad pass of its own) while the other does not: DDP must not hang, ZeRO-3 must run the same passes
+    "loss.estimator=efficient", "loss.lam=0.3",
 ]
 LAUNCHERS = {
     # the CPU form that really starts 2 processes (gloo)
@@ -119,6 +122,9 @@ def test_two_processes_train_identically_and_resume_exactly(tmp_path, kind, full
     assert f"world size 2 ({expected_type})" in uninterrupted
     full_digests = digests(uninterrupted)  # ZeRO-3: gathered from both ranks' partitions
     assert set(full_digests) == {0, 1} and full_digests[0] == full_digests[1]  # ranks agree bitwise
+    # the mean over ranks of the dropped share (2 rows per rank) reaches 0.75 only when one rank dropped both rows
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["caption_dropout_rate"] >= 0.75 for r in rows)
 
     split = tmp_path / "split"
     step3 = copy_checkpoint(full, 3, split)  # "killed" after step 3
