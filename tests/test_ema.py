@@ -78,7 +78,14 @@ def _zero3_worker(rank: int, world: int, port: int, results: str) -> None:
     other = PartitionedEMA(params, decay=0.5)
     other.load_state_dict(state)
     reloaded = other.state_dict()  # gathered again from the loaded slices
-    torch.save({"state": state, "reference": reference.state_dict(), "reloaded": reloaded,
+    # the state of another model (transposed first weight) is refused, not loaded into the wrong slices
+    wrong = {**state, "shadow_params": [state["shadow_params"][0].t().contiguous(), *state["shadow_params"][1:]]}
+    try:
+        PartitionedEMA(params, decay=0.9).load_state_dict(wrong)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    torch.save({"state": state, "reference": reference.state_dict(), "reloaded": reloaded, "refused": refused,
                 "slice_sizes": [s.numel() for s in other.shadow_params]}, Path(results) / f"rank{rank}.pt")
 
 
@@ -102,4 +109,5 @@ def test_partitioned_ema_matches_a_whole_ema_under_real_zero3(tmp_path, monkeypa
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
         assert out["slice_sizes"] == [18, 3, 8, 2]  # ceil(n / 2): 35, 5, 15 and 3 elements are padded
         assert out["reloaded"]["decay"] == 0.9
+        assert out["refused"] == "the EMA state does not match this model's parameter shapes"
         assert all(torch.equal(a, b) for a, b in zip(out["reloaded"]["shadow_params"], state["shadow_params"]))
