@@ -1,10 +1,21 @@
-"""The synthetic world of the composition benchmark: one-object scenes, their long-tailed pair distribution, a
-word-level text encoder, and the oracle classifier that reads generated images.
+"""The synthetic world of the composition benchmark: two-object scenes built from a long-tailed pool of object
+tiles, the long-tailed and the pair-balanced training streams, a word-level text encoder, and the oracle that reads
+generated scenes.
 
-Scenes are 16 × 16 RGB images with one object, a (colour, shape) pair drawn by `data.synthetic.render_objects`.
-Colours and shapes are Zipf-distributed independently (listed head first), so pair frequencies span ~50×; a few
-pairs are *held out*: both of their concepts are common enough in training, never together. Composition success
-for the prompt "a <colour> <shape>" = the oracle reads exactly that colour and that shape.
+A *pair* is one (colour, shape) object. A tile is a 16 × 16 RGB render of one pair (`data.synthetic.render_objects`);
+a scene is two tiles side by side (16 × 32), captioned "a <colour> <shape> and a <colour> <shape>", left object
+first. Colours and shapes are Zipf-distributed independently (listed head first) with a steep exponent, so the pool
+holds thousands of tiles of the head pairs and only a handful of the tail pairs; a few pairs are *held out*: each of
+their concepts is seen with other partners, never together.
+
+Two streams draw scenes from the *same* tile pool:
+- long-tailed: each tile uniformly from the pool, so a pair appears as often as it is in the pool;
+- pair-balanced (the control a balancing method is measured against): each tile by drawing a seen pair uniformly,
+  then one of its tiles uniformly; every seen pair appears equally often, from the same images.
+
+Reading a scene: the oracle classifies each half into a colour and a shape or "nothing". A prompt succeeds when both
+halves show the prompted colour on the prompted shape; failures are split into a missing object, a colour on the
+wrong shape (a colour that belongs to the other object of the prompt) and anything else.
 """
 
 from __future__ import annotations
@@ -19,13 +30,18 @@ from torch import nn
 from data.images import image_to_tensor
 from data.synthetic import render_objects
 
-COLOURS = ("red", "blue", "green", "yellow", "purple")
+COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "cyan")
 SHAPES = ("circle", "square", "triangle", "cross", "ring")  # distinct at 16 px (star/hexagon blur into circles)
-RESOLUTION = 16
-SIZE_RANGE = (0.55, 0.8)  # object side as a fraction of the image: large enough to read its shape at 16 px
-ZIPF = 1.2
-# (colour index, shape index): never shown in training; each concept alone is seen in thousands of images
-HELD_OUT = ((1, 3), (3, 1), (2, 4), (4, 2))
+NOTHING = len(SHAPES)  # the oracle's extra shape class: an empty half
+TILE = 16
+SIZE_RANGE = (0.55, 0.8)  # object side as a fraction of the tile: large enough to read its shape at 16 px
+ZIPF = 2.0
+POOL_TILES = 8192
+MIN_TILES = 8  # every seen pair has at least this many tiles in the pool (the balanced stream draws from them)
+# (colour index, shape index): never shown in training; each concept is seen with other partners
+HELD_OUT = ((1, 3), (3, 1), (4, 2), (5, 0), (6, 4), (7, 1))
+BUCKETS = ("head", "torso", "tail", "held_out")
+FAILURES = ("missing_object", "colour_on_wrong_shape", "other")
 
 
 @dataclass(frozen=True)
@@ -40,10 +56,14 @@ class PairWorld:
     buckets: dict[tuple[int, int], str] = field(init=False)
 
     def __post_init__(self) -> None:
-        zipf = torch.tensor([1.0 / (k + 1) ** self.zipf for k in range(len(COLOURS))], dtype=torch.float64)
-        zipf = zipf / zipf.sum()
+        def zipf(n: int) -> torch.Tensor:
+            w = torch.tensor([1.0 / (k + 1) ** self.zipf for k in range(n)], dtype=torch.float64)
+            return w / w.sum()
+
+        colour_p, shape_p = zipf(len(COLOURS)), zipf(len(SHAPES))
         pairs = [(c, s) for c in range(len(COLOURS)) for s in range(len(SHAPES))]
-        probs = torch.tensor([0.0 if p in self.held_out else float(zipf[p[0]] * zipf[p[1]]) for p in pairs])
+        probs = torch.tensor([0.0 if p in self.held_out else float(colour_p[p[0]] * shape_p[p[1]]) for p in pairs],
+                             dtype=torch.float64)
         probs = probs / probs.sum()
         seen = sorted((p for p in pairs if p not in self.held_out), key=lambda p: -float(probs[pairs.index(p)]))
         third = len(seen) // 3
@@ -54,54 +74,97 @@ class PairWorld:
         object.__setattr__(self, "probs", probs)
         object.__setattr__(self, "buckets", buckets)
 
+    @property
+    def seen(self) -> list[tuple[int, int]]:
+        return [p for p in self.pairs if self.buckets[p] != "held_out"]
+
     def prob(self, pair: tuple[int, int]) -> float:
         return float(self.probs[self.pairs.index(pair)])
 
+    def pool_counts(self, tiles: int = POOL_TILES, floor: int = MIN_TILES) -> dict[tuple[int, int], int]:
+        """Tiles per seen pair in the pool: its share of `tiles`, at least `floor` (deterministic)."""
+        return {p: max(floor, round(tiles * self.prob(p))) for p in self.seen}
 
-def caption(pair: tuple[int, int]) -> str:
-    return f"a {COLOURS[pair[0]]} {SHAPES[pair[1]]}"
+
+def caption(left: tuple[int, int], right: tuple[int, int]) -> str:
+    return f"a {COLOURS[left[0]]} {SHAPES[left[1]]} and a {COLOURS[right[0]]} {SHAPES[right[1]]}"
 
 
-def render(pairs: list[tuple[int, int]], seed: int, tag: str) -> torch.Tensor:
-    """One image per pair, (N, 3, 16, 16) in [-1, 1]; image i depends only on (tag, seed, i, its pair)."""
-    out = torch.empty(len(pairs), 3, RESOLUTION, RESOLUTION)
-    for i, (c, s) in enumerate(pairs):
+def pair_name(pair: tuple[int, int]) -> str:
+    return f"{COLOURS[pair[0]]} {SHAPES[pair[1]]}"
+
+
+def render_tiles(pairs: list[tuple[int, int] | None], seed: int, tag: str) -> torch.Tensor:
+    """One 16 × 16 tile per entry, (N, 3, 16, 16) in [-1, 1]; None renders an empty tile. Tile i depends only on
+    (tag, seed, i, its pair)."""
+    out = torch.empty(len(pairs), 3, TILE, TILE)
+    for i, pair in enumerate(pairs):
         rng = random.Random(f"composition/{tag}/{seed}/{i}")
-        image, _ = render_objects(rng, [(SHAPES[s], COLOURS[c])], RESOLUTION, SIZE_RANGE)
+        objects = [] if pair is None else [(SHAPES[pair[1]], COLOURS[pair[0]])]
+        image, _ = render_objects(rng, objects, TILE, SIZE_RANGE)
         out[i] = image_to_tensor(image)
     return out
 
 
-def draw_pairs(world: PairWorld, n: int, generator: torch.Generator) -> list[tuple[int, int]]:
-    index = torch.multinomial(world.probs, n, replacement=True, generator=generator)
-    return [world.pairs[i] for i in index.tolist()]
+class TilePool:
+    """The training images of one seed: `pool_counts` tiles of every seen pair, rendered once."""
+
+    def __init__(self, world: PairWorld, seed: int, tiles: int = POOL_TILES, floor: int = MIN_TILES):
+        counts = world.pool_counts(tiles, floor)
+        self.pair_of_tile = [p for p in world.seen for _ in range(counts[p])]
+        self.images = render_tiles(self.pair_of_tile, seed, "train")
+        self.pair_index = torch.tensor([world.pairs.index(p) for p in self.pair_of_tile])
+        self.seen = world.seen
+        self.tiles_of_pair = [torch.tensor([i for i, q in enumerate(self.pair_of_tile) if q == p]) for p in self.seen]
+
+    def __len__(self) -> int:
+        return len(self.pair_of_tile)
+
+    def draw(self, n: int, balanced: bool, generator: torch.Generator) -> torch.Tensor:
+        """n tile indices: uniformly from the pool (long-tailed), or a uniform seen pair then a uniform tile of it."""
+        if not balanced:
+            return torch.randint(len(self), (n,), generator=generator)
+        which = torch.randint(len(self.seen), (n,), generator=generator).tolist()
+        picks = torch.rand(n, generator=generator)
+        return torch.stack([self.tiles_of_pair[k][int(u * len(self.tiles_of_pair[k]))]
+                            for k, u in zip(which, picks.tolist())])
+
+    def scenes(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """(B, 3, 16, 32): tile `left[i]` beside tile `right[i]`."""
+        return torch.cat([self.images[left], self.images[right]], dim=3)
 
 
 class WordEncoder:
-    """Caption → (embeds, mask) from fixed random word vectors: a text encoder whose word features are disentangled
-    by construction, so the benchmark measures how the DiT binds colour to shape, not how a random T5 mixes words.
-    Captions are [a, colour, shape, <end>]; the null caption is [<end>] alone (like T5's empty string)."""
+    """Caption → (embeds, mask) from fixed random word vectors plus a fixed random vector per position: word
+    features are disentangled by construction, and the position tells the DiT which colour goes with which shape, so
+    the benchmark measures how the DiT binds them, not how a random T5 mixes words.
+    Captions are [a, c1, s1, and, a, c2, s2, <end>]; the null caption is [<end>] alone (like T5's empty string)."""
+
+    LENGTH = 8
 
     def __init__(self, dim: int = 32, seed: int = 0):
-        self.vocab = {w: i for i, w in enumerate(("<end>", "a") + COLOURS + SHAPES)}
-        self.table = torch.randn(len(self.vocab), dim, generator=torch.Generator().manual_seed(seed))
-        self.dim, self.length = dim, 4
+        self.vocab = {w: i for i, w in enumerate(("<end>", "a", "and") + COLOURS + SHAPES)}
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(len(self.vocab), dim, generator=g)
+        self.positions = 0.5 * torch.randn(self.LENGTH, dim, generator=g)
+        self.dim, self.length = dim, self.LENGTH
 
-    def encode_pairs(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor([[self.vocab["a"], self.vocab[COLOURS[c]], self.vocab[SHAPES[s]], self.vocab["<end>"]]
-                            for c, s in pairs])
-        return self.table[ids], torch.ones(len(pairs), self.length)
+    def encode(self, left: list[tuple[int, int]], right: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.vocab
+        ids = torch.tensor([[v["a"], v[COLOURS[a[0]]], v[SHAPES[a[1]]], v["and"],
+                             v["a"], v[COLOURS[b[0]]], v[SHAPES[b[1]]], v["<end>"]] for a, b in zip(left, right)])
+        return self.table[ids] + self.positions, torch.ones(len(left), self.length)
 
     def null(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = torch.zeros(n, self.length, self.dim)
-        embeds[:, 0] = self.table[self.vocab["<end>"]]
+        embeds[:, 0] = self.table[self.vocab["<end>"]] + self.positions[0]
         mask = torch.zeros(n, self.length)
         mask[:, 0] = 1
         return embeds, mask
 
 
 class Oracle(nn.Module):
-    """A small CNN that reads a 16 × 16 scene: logits over colours and over shapes."""
+    """A small CNN that reads one 16 × 16 tile: logits over colours and over shapes + "nothing"."""
 
     def __init__(self):
         super().__init__()
@@ -112,22 +175,53 @@ class Oracle(nn.Module):
             nn.Flatten(), nn.Linear(32 * 4 * 4, 128), nn.ReLU(),
         )
         self.colour = nn.Linear(128, len(COLOURS))
-        self.shape = nn.Linear(128, len(SHAPES))
+        self.shape = nn.Linear(128, len(SHAPES) + 1)
 
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.features(images)
+    def forward(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.features(tiles)
         return self.colour(h), self.shape(h)
 
     @torch.no_grad()
-    def read(self, images: torch.Tensor, batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-        """(colour index, shape index) per image."""
+    def read_tiles(self, tiles: torch.Tensor, batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        """(colour index, shape index or NOTHING) per tile."""
         self.eval()
         colours, shapes = [], []
-        for chunk in images.split(batch_size):
+        for chunk in tiles.split(batch_size):
             c, s = self(chunk.clamp(-1, 1))
             colours.append(c.argmax(1))
             shapes.append(s.argmax(1))
         return torch.cat(colours), torch.cat(shapes)
+
+    def read_scenes(self, scenes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(colour, shape) per half of each (B, 3, 16, 32) scene, each (B, 2): column 0 left, column 1 right."""
+        left, right = scenes[..., :TILE], scenes[..., TILE:]
+        colours, shapes = self.read_tiles(torch.cat([left, right]))
+        b = scenes.shape[0]
+        return torch.stack([colours[:b], colours[b:]], 1), torch.stack([shapes[:b], shapes[b:]], 1)
+
+
+def judge(colours: torch.Tensor, shapes: torch.Tensor, left: list[tuple[int, int]],
+          right: list[tuple[int, int]]) -> tuple[torch.Tensor, list[str | None]]:
+    """Per scene: success (both halves right) and the failure kind (None where it succeeded).
+
+    missing_object: a half reads as nothing. colour_on_wrong_shape: both objects there with the prompted shapes, but
+    a half carries the other object's (different) colour. other: every other mistake."""
+    want_c = torch.tensor([[a[0], b[0]] for a, b in zip(left, right)])
+    want_s = torch.tensor([[a[1], b[1]] for a, b in zip(left, right)])
+    ok = ((colours == want_c) & (shapes == want_s)).all(1)
+    kinds: list[str | None] = []
+    for i in range(len(left)):
+        if ok[i]:
+            kinds.append(None)
+        elif (shapes[i] == NOTHING).any():
+            kinds.append("missing_object")
+        elif bool((shapes[i] == want_s[i]).all()) and any(
+                int(colours[i, h]) != int(want_c[i, h]) and int(colours[i, h]) == int(want_c[i, 1 - h])
+                for h in (0, 1)):
+            kinds.append("colour_on_wrong_shape")
+        else:
+            kinds.append("other")
+    return ok, kinds
 
 
 def _degrade(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -142,37 +236,48 @@ def _degrade(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (images * scale + noise).clamp(-1, 1)
 
 
-def train_oracle(steps: int = 800, batch_size: int = 128, seed: int = 0, pool_size: int = 6000,
-                 test_size: int = 2000) -> tuple[Oracle, dict]:
-    """Train the oracle on uniformly drawn pairs (every pair, held-out ones included: the oracle must read them)
-    and measure its accuracy on fresh, clean renders it never saw."""
+def _uniform_tiles(n: int, generator: torch.Generator, empty_share: float) -> list[tuple[int, int] | None]:
+    """Every pair equally often (held-out ones included: the oracle must read them), plus empty tiles."""
+    out: list[tuple[int, int] | None] = []
+    for u, c, s in zip(torch.rand(n, generator=generator).tolist(),
+                       torch.randint(len(COLOURS), (n,), generator=generator).tolist(),
+                       torch.randint(len(SHAPES), (n,), generator=generator).tolist()):
+        out.append(None if u < empty_share else (c, s))
+    return out
+
+
+def _labels(tiles: list[tuple[int, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    colours = torch.tensor([-100 if p is None else p[0] for p in tiles])  # an empty tile has no colour to learn
+    shapes = torch.tensor([NOTHING if p is None else p[1] for p in tiles])
+    return colours, shapes
+
+
+def train_oracle(steps: int = 1200, batch_size: int = 128, seed: int = 0, pool_size: int = 9000,
+                 test_size: int = 3000, empty_share: float = 0.1) -> tuple[Oracle, dict]:
+    """Train the oracle on uniformly drawn tiles and measure its accuracy on fresh, clean renders it never saw."""
     torch.manual_seed(seed)
-    uniform = PairWorld(zipf=0.0, held_out=())
     g = torch.Generator().manual_seed(seed)
-    pairs = draw_pairs(uniform, pool_size, g)
-    images = render(pairs, seed, "oracle-train")
-    colours = torch.tensor([c for c, _ in pairs])
-    shapes = torch.tensor([s for _, s in pairs])
+    tiles = _uniform_tiles(pool_size, g, empty_share)
+    images = render_tiles(tiles, seed, "oracle-train")
+    colours, shapes = _labels(tiles)
     oracle = Oracle()
     opt = torch.optim.Adam(oracle.parameters(), lr=2e-3)
-    for step in range(steps):
+    for _ in range(steps):
         idx = torch.randint(pool_size, (batch_size,), generator=g)
         logits_c, logits_s = oracle(_degrade(images[idx], g))
-        loss = F.cross_entropy(logits_c, colours[idx]) + F.cross_entropy(logits_s, shapes[idx])
+        loss = F.cross_entropy(logits_c, colours[idx], ignore_index=-100) + F.cross_entropy(logits_s, shapes[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
-    test_pairs = draw_pairs(uniform, test_size, g)
-    test = render(test_pairs, seed, "oracle-test")
-    got_c, got_s = oracle.read(test)
-    want_c = torch.tensor([c for c, _ in test_pairs])
-    want_s = torch.tensor([s for _, s in test_pairs])
-    got_cn, got_sn = oracle.read(_degrade(test, g))
-    report = {
-        "test_images": test_size,
-        "colour_accuracy": (got_c == want_c).float().mean().item(),
-        "shape_accuracy": (got_s == want_s).float().mean().item(),
-        "pair_accuracy": ((got_c == want_c) & (got_s == want_s)).float().mean().item(),
-        "pair_accuracy_degraded": ((got_cn == want_c) & (got_sn == want_s)).float().mean().item(),
-    }
+    test_tiles = _uniform_tiles(test_size, g, empty_share)
+    test = render_tiles(test_tiles, seed, "oracle-test")
+    want_c, want_s = _labels(test_tiles)
+    obj = want_s != NOTHING
+    report = {"test_tiles": test_size}
+    for name, images in (("", test), ("_degraded", _degrade(test, g))):
+        got_c, got_s = oracle.read_tiles(images)
+        right = (got_s == want_s) & ((got_c == want_c) | ~obj)
+        report[f"tile_accuracy{name}"] = right.float().mean().item()
+        report[f"pair_accuracy{name}"] = right[obj].float().mean().item()
+        report[f"empty_accuracy{name}"] = right[~obj].float().mean().item()
     return oracle, report

@@ -169,10 +169,11 @@ def plot_monitor(
     path: str | os.PathLike,
     title: str | None = "IMBA monitor per concept-frequency bucket",
     size: tuple[int, int] | None = None,
+    ylabel: str | None = None,
 ) -> Path:
     """The IMBA monitor over training: one panel per stat (``{stat: {bucket: [(step, value), ...]}}``, as
     ``imba.monitor_plot.read_monitor`` returns it), one line per bucket, training steps on x. ``size`` defaults to
-    560 x 440 pixels per panel."""
+    560 x 440 pixels per panel; ``ylabel`` (one for every panel) defaults to each known stat's own label."""
     stats = [s for s in sorted(series, key=lambda s: (s not in MONITOR_TITLES, s))
              if any(len(line) for line in series[s].values())]
     if not stats:
@@ -192,7 +193,7 @@ def plot_monitor(
             ax.set_title(MONITOR_TITLES.get(stat, stat))
             ax.set_xlabel("training step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel(MONITOR_YLABELS.get(stat, stat))
+            ax.set_ylabel(ylabel or MONITOR_YLABELS.get(stat, stat))
             ax.legend(title="bucket", loc="best")
         if title:
             fig.suptitle(title)

@@ -170,7 +170,7 @@ def test_summary_and_gap_closed_pair_the_seeds_and_use_the_equal_compute_control
     world = PairWorld()
     runs = _runs(world, {
         ("plain", 100): {0: 0.2, 1: 0.4}, ("plain", 200): {0: 0.3, 1: 0.5},
-        ("plain_balanced", 100): {0: 0.6, 1: 0.8}, ("plain_balanced", 200): {0: 0.9, 1: 0.9},
+        ("plain_balanced", 100): {0: 0.6, 1: 0.8}, ("plain_balanced", 200): {0: 0.8, 1: 1.0},
         ("imba_target", 100): {0: 0.4, 1: 0.6},
     })
     summary = composition.summarise(runs, world)
@@ -183,6 +183,10 @@ def test_summary_and_gap_closed_pair_the_seeds_and_use_the_equal_compute_control
     assert steps["buckets"]["tail"]["gap"] == pytest.approx((0.4, 0.0))
     assert steps["buckets"]["tail"]["fraction"] == pytest.approx(0.5)
     assert steps["buckets"]["head"]["fraction"] is None  # no gap on the head: no fraction
+    uncertain = composition.gap_closed(_runs(world, {
+        ("plain", 100): {0: 0.2, 1: 0.4}, ("plain_balanced", 100): {0: 0.9, 1: 0.45},
+        ("imba_target", 100): {0: 0.4, 1: 0.6}}), world, [100], compute=False)[100]["imba_target"]
+    assert uncertain["buckets"]["tail"]["fraction"] is None  # a gap whose interval reaches 0
     compute = composition.gap_closed(runs, world, [100], compute=True)[100]["imba_target"]
     # literal IMBA costs 2 plain steps: compared with the controls at 200 steps (gap 0.5, gain 0.1)
     assert compute["reference_steps"] == 200
@@ -193,7 +197,7 @@ def test_summary_and_gap_closed_pair_the_seeds_and_use_the_equal_compute_control
                                          ["plain", "plain_balanced", "imba_target"], [100], seeds=2)
     assert "| plain | 100.0 ± 0.0 | 100.0 ± 0.0 | 30.0 ± " in report
     assert "| plain_balanced @ 200 steps |" in report
-    assert "| imba_target | 200 | 0.0 ± 0.0 | 50.0 ± 127.1 | 10.0 ± 0.0 | 20 % |" in report
+    assert "| imba_target | 200 | 0.0 ± 0.0 | 50.0 ± 0.0 | 10.0 ± 0.0 | 20 % |" in report
 
 
 def test_bar_plot_draws_the_equal_steps_and_equal_compute_panels_and_rejects_an_empty_summary(tmp_path):
