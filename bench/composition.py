@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +45,8 @@ for path in (str(REPO), str(REPO / "bench")):
 
 import torch  # noqa: E402
 
-from composition_scenes import (BUCKETS, FAILURES, TILE, Oracle, PairWorld, TilePool, WordEncoder,  # noqa: E402
-                                judge, pair_name, train_oracle)
+from composition_scenes import (BUCKETS, COLOURS, FAILURES, SHAPES, TILE, Oracle, PairWorld,  # noqa: E402
+                                TilePool, WordEncoder, judge, pair_name, train_oracle)
 
 # kind / reference / normalize / estimator: imba.training_loss.TrainingLoss; balanced: the pair-balanced stream;
 # reweight: plain MSE weighted per scene by the mean of its two objects' weights, either the inverse frequency of
@@ -116,7 +117,7 @@ def inverse_frequency_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[i
 
     stats = count_concepts([f"a {pair_name(p)}" for p in pool_pairs])
     total = len(pool_pairs)
-    raw = {p: 0.5 * (total / stats.counts[pair_name(p).split()[0]] + total / stats.counts[pair_name(p).split()[1]])
+    raw = {p: 0.5 * (total / stats.counts[COLOURS[p[0]]] + total / stats.counts[SHAPES[p[1]]])
            for p in set(pool_pairs)}
     mean = sum(raw[p] for p in pool_pairs) / total
     return {p: w / mean for p, w in raw.items()}
@@ -125,9 +126,7 @@ def inverse_frequency_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[i
 def importance_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
     """Per-object weight p_balanced(pair) / p_pool(pair): weighting the long-tailed stream by it gives, in
     expectation, the loss of the pair-balanced stream (mean 1 over the pool's tiles by construction)."""
-    counts: dict[tuple[int, int], int] = {}
-    for p in pool_pairs:
-        counts[p] = counts.get(p, 0) + 1
+    counts = Counter(pool_pairs)
     return {p: len(pool_pairs) / (len(counts) * n) for p, n in counts.items()}
 
 
