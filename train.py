@@ -78,6 +78,8 @@ def main(argv: list[str]) -> int:
     # ---- data ------------------------------------------------------------------------------------------------
     shards = training_shards(cfg, accelerator, out)
     consumed = batches_done(state.step, cfg.train.grad_accum, resume.saved_world_size, accelerator.num_processes)
+    if resume.checkpoint is not None:
+        accelerator.print(f"data: each rank continues after {consumed} batches of {cfg.data.batch_size}")
     loader = make_loader(cfg, accelerator, shards, consumed, manifest,
                          bucket_divisor=features.vae_scale * dit.config.patch_size)
     batches = iter(loader)

@@ -155,8 +155,31 @@ def test_ddp_checkpoint_resumes_on_another_process_count(tmp_path, full_runs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world size 1" in proc.stdout and "resumed from" in proc.stdout
     assert "resuming a 2-process checkpoint on 1 processes" in proc.stdout
+    # the weights the two processes saved, bitwise (a run that started from fresh weights prints another digest)
+    assert f"resumed from {out / 'checkpoints' / 'step_0000003'} at step 3, parameters {saved_digest(out)}" in (
+        proc.stdout)
     assert "done: step 5" in proc.stdout
-    assert scheduler_steps(out / "checkpoints" / "step_0000005") == 5  # 3 × 2 processes, then 2 × 1, not 3 × 2 + 2
+    step5 = out / "checkpoints" / "step_0000005"
+    assert scheduler_steps(step5) == 5  # 3 × 2 processes, then 2 × 1, not 3 × 2 + 2
+    # AdamW continued from the saved moments: its step count is 3 + 2, not the 2 of a fresh optimizer
+    adam = torch.load(step5 / "optimizer.bin", weights_only=False)["state"]
+    assert {state["step"].item() for state in adam.values()} == {5.0}
+    # the data continues after the 3 steps × 2 ranks × 2 samples the saved run had read
+    assert "data: each rank continues after 6 batches of 2" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 5] and all(r["nonfinite_steps"] == 0 for r in rows)
+
+
+def saved_digest(run: Path, step: int = 3) -> str:
+    """The parameter digest train.py prints, of the weights in a DDP (plain) checkpoint's model.safetensors."""
+    from imba.training.distributed import parameter_digest
+    from models.dit import build_transformer
+
+    weights = load_file(run / "checkpoints" / f"step_{step:07d}" / "model.safetensors")
+    model = build_transformer("tiny", sample_size=8, caption_channels=weights["caption_projection.linear_1.weight"]
+                              .shape[1], in_channels=weights["pos_embed.proj.weight"].shape[1])
+    model.load_state_dict(weights)  # strict: every parameter, in the model's own order
+    return parameter_digest(model)
 
 
 def zero_states(checkpoint: Path, world: int) -> tuple[dict, dict, torch.Tensor, dict]:

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 from transformers.integrations import unset_hf_deepspeed_config
 
-from imba.training.config import Config, tracker_names
+from imba.training.config import Config, ConfigError, tracker_names
 from imba.training.ema import is_partitioned
 
 
@@ -29,13 +29,19 @@ def make_accelerator(cfg: Config, out: Path) -> Accelerator:
     # CPU multi-process runs (tests, debugging) need gloo, else DeepSpeed asks for oneCCL; naming a backend in a
     # single process would make accelerate expect a process group, so only when launched distributed
     distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return Accelerator(
+    accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.grad_accum,
         mixed_precision=cfg.train.mixed_precision,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else [],
     )
+    cpu_fp16 = accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu"
+    if cpu_fp16 and accelerator.state.deepspeed_plugin is None:
+        # accelerate has no fp16 autocast or GradScaler on the CPU: it would train in float32 and not say so
+        raise ConfigError("train.mixed_precision=fp16 needs a GPU (on the CPU accelerate would silently train in "
+                          "float32); use bf16 or no")
+    return accelerator
 
 
 def configure_deepspeed(accelerator: Accelerator, batch_size: int) -> bool:
