@@ -14,9 +14,11 @@
 #   PORT               rendezvous port on node 0               [29500]
 #   TRAIN_SCRIPT       the training entry point                [train.py]
 #   RESUME             value of --resume                       [latest]
+#   RESEND_EVERY       seconds between repeats of a SIGUSR1    [10]
 #
 # Pre-emption: on SIGUSR1 or SIGTERM this script forwards the signal to the training processes (the launcher's
-# children) and keeps waiting. The training loop then finishes its step, checkpoints on every rank and exits 75.
+# children), repeats a SIGUSR1 until they exit, and keeps waiting. The training loop then finishes its step,
+# checkpoints on every rank and exits 75.
 # `accelerate launch` reports any failing worker as status 1, so after a forwarded SIGUSR1 a non-zero status is
 # reported as 75 ("pre-empted, requeue me"); without SIGUSR1 the launcher's status is passed through.
 # The launcher itself runs with SIGUSR1 ignored: its default action would kill it, and torchrun does not forward
@@ -31,6 +33,7 @@ MACHINE_RANK=${MACHINE_RANK:-${SLURM_NODEID:-0}}
 PORT=${PORT:-29500}
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-train.py}
 RESUME=${RESUME:-latest}
+RESEND_EVERY=${RESEND_EVERY:-10}
 EX_TEMPFAIL=75
 
 # Collective errors abort the process instead of hanging until the job's time limit.
@@ -54,6 +57,7 @@ fi
 args+=("$TRAIN_SCRIPT" --config "$CONFIG" --resume "$RESUME" "$@")
 
 launcher=""
+resender=""
 preempted=0
 interrupted=0
 forward() {
@@ -62,6 +66,15 @@ forward() {
     echo "[node_launch] ${HOSTNAME:-?}: SIG$1 -> training processes" >&2
     if [[ -n $launcher ]]; then
         pkill "-$1" -P "$launcher" || true  # the launcher's children: the training processes
+        # A training process still starting up ignores SIGUSR1 (its handler is not installed yet): say it again
+        # every RESEND_EVERY seconds until the launcher exits, so a signal during start-up is not lost (the
+        # handler only sets a flag; repeats change nothing).
+        if [[ $1 == USR1 && -z $resender ]]; then
+            ( while sleep "$RESEND_EVERY" && kill -0 "$launcher" 2>/dev/null; do
+                  pkill -USR1 -P "$launcher" || true
+              done ) &
+            resender=$!
+        fi
     fi
 }
 trap 'forward USR1' USR1
@@ -77,6 +90,7 @@ while :; do
     wait "$launcher" && status=0 || status=$?
     (( interrupted )) || break
 done
+if [[ -n $resender ]]; then kill "$resender" 2>/dev/null || true; fi
 
 if (( status != 0 && preempted )); then
     echo "[node_launch] ${HOSTNAME:-?}: launcher exited with $status after SIGUSR1: reporting $EX_TEMPFAIL" >&2
