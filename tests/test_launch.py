@@ -310,6 +310,8 @@ esac
 FAKE_WORKER = """\
 import os, signal, sys, time
 node, out = sys.argv[1], os.environ["FAKE_DIR"]
+open(os.path.join(out, f"starting.{node}"), "w").close()
+time.sleep(float(os.environ.get("FAKE_STARTUP", "0")))  # "loading the models": SIGUSR1 is still ignored
 got = []
 signal.signal(signal.SIGUSR1, lambda *_: got.append("USR1"))
 signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))
@@ -335,9 +337,9 @@ def fakes(tmp_path):
 
 
 def run_sbatch(script: Path, fakes: Path, *args: str, nodes: int = 1, mode: str = "exit:0",
-               send: signal.Signals | None = None, **env: str) -> subprocess.CompletedProcess:
+               send: signal.Signals | None = None, send_when: str = "ready", **env: str) -> subprocess.CompletedProcess:
     """Run the batch script as SLURM would (cwd anywhere, SLURM_* set); optionally signal it once every fake
-    training process has installed its handlers."""
+    training process has installed its handlers (send_when="ready") or has only started ("starting")."""
     hosts = [f"gpu-{i + 7:02d}" for i in range(nodes)]
     full_env = {
         "PATH": f"{fakes / 'bin'}{os.pathsep}{os.environ['PATH']}", "HOME": str(fakes), "LANG": "C",
@@ -352,7 +354,7 @@ def run_sbatch(script: Path, fakes: Path, *args: str, nodes: int = 1, mode: str 
     try:
         if send is not None:
             deadline = time.monotonic() + 8
-            while not all((fakes / f"ready.{i}").exists() for i in range(nodes)):
+            while not all((fakes / f"{send_when}.{i}").exists() for i in range(nodes)):
                 assert time.monotonic() < deadline and proc.poll() is None, "fake training did not start"
                 time.sleep(0.01)
             proc.send_signal(send)
@@ -527,3 +529,12 @@ def test_node_launch_with_real_accelerate_forwards_usr1(tmp_path):
     assert [(tmp_path / f"worker.{r}").read_text() for r in (0, 1)] == ["USR1", "USR1"]
     assert (tmp_path / "ready.0").read_text() == "--config configs/1b_256.yaml --resume latest train.max_steps=3"
     assert "exited with 1 after SIGUSR1" in output  # accelerate turns the workers' 75 into 1
+
+
+def test_a_sigusr1_during_start_up_is_repeated_until_the_training_handles_it(fakes):
+    # the training ignores SIGUSR1 for its first second (the launcher's inherited "ignore", before train.py
+    # installs its handler): one forwarded signal would be lost and the job would run into its time limit
+    result = run_sbatch(SINGLE, fakes, mode="worker", send=signal.SIGUSR1, send_when="starting", FAKE_STARTUP="1",
+                        RESEND_EVERY="0.3")
+    assert (fakes / "worker.0").read_text() == "USR1", result.stderr
+    assert result.returncode == 0 and requeues(fakes) == [f"requeue {JOB_ID}"]

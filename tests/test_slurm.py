@@ -29,8 +29,8 @@ TRAIN = ["data.resolution=32", "data.batch_size=2", "data.synthetic_samples=24",
 
 
 def job_env(extra: dict) -> dict:
-    return {**os.environ, **extra, "ACCELERATE_USE_CPU": "true", "ACCELERATE_CONFIG": "launch/accelerate/multi_gpu.yaml",
-            "GPUS_PER_NODE": "2", "CONFIG": "configs/tiny.yaml", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+    return {**os.environ, **extra, "ACCELERATE_USE_CPU": "true",
+            "ACCELERATE_CONFIG": "launch/accelerate/multi_gpu.yaml", "GPUS_PER_NODE": "2", "CONFIG": "configs/tiny.yaml", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
             # `accelerate` must be on PATH for node_launch.sh, as in the venv a user activates
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
