@@ -72,6 +72,7 @@ VARIANTS = {
     "plain_eps": dict(kind="plain", objective="ddpm"),
     "plain_balanced_eps": dict(kind="plain", balanced=True, objective="ddpm"),
     "imba_target_eps": dict(kind="imba", reference="target", objective="ddpm"),
+    "imba_target_tnorm_eps": dict(kind="imba", reference="target", normalize="timestep_mean", objective="ddpm"),
     "imba_cond_tnorm_eps": dict(kind="imba", reference="cond", normalize="timestep_mean", objective="ddpm"),
 }
 # the default fits the time bound on 2 cores (≈ 85 min from the recorded runs' times); `--variants all` runs every

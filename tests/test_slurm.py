@@ -49,8 +49,13 @@ def final_digest(log: str) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("slurm")) as running:
-        yield running
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.__enter__()
+    except RuntimeError as err:  # installed, but this machine cannot run the daemons (no root cgroup, hostname)
+        pytest.skip(str(err).splitlines()[0] + " (logs in " + str(cluster.folder) + ")")
+    yield cluster
+    cluster.__exit__(None, None, None)
 
 
 def test_a_preempted_job_requeues_itself_resumes_and_completes_with_the_uninterrupted_weights(cluster, tmp_path):
