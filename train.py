@@ -31,6 +31,7 @@ from imba.training.export import export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
 from imba.training.inputs import concept_bucketer, make_loader, training_shards
 from imba.training.metrics import JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
+from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import batches_done, plan_resume, restore
 from imba.training.sampling import GridSampler
@@ -182,6 +183,8 @@ def main(argv: list[str]) -> int:
     ema_model = grids.save(dit, ema, state.step)  # a clean instance: no compile/checkpointing state
     if is_main:
         export_pipeline(build_pipeline(transformer=ema_model, **grids.pipeline_parts()), export_dir)
+        write_model_card(export_dir, cfg, state.step, accelerator.num_processes,
+                         grid=out / "samples" / f"step_{state.step:07d}.png")  # the Hub's model page
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
               f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
               f"(PixArtAlphaPipeline.from_pretrained('{export_dir}'))")

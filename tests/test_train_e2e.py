@@ -54,6 +54,7 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
         at_end = load_file(out / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
         later = load_file(tmp_path / "from_ckpt" / "transformer" / "diffusion_pytorch_model.safetensors")
         assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
+        assert "| steps | 4 |" in (tmp_path / "from_ckpt" / "README.md").read_text()
         # a checkpoint whose config names another model than its EMA holds is refused in one line
         import shutil
 
@@ -88,6 +89,14 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
     assert (out / "config.yaml").is_file() and (out / "samples" / "step_0000006.png").is_file()
     if "train.trackers=tensorboard" in extra:
         assert list((out / "logs").rglob("events.out.tfevents.*"))
+
+    # The export carries its model card (the Hub's model page) with the last grid
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "export" / "README.md")
+    assert card.data.library_name == "diffusers" and f"loss-{loss_kind}" in card.data.tags
+    assert "| steps | 6 |" in card.text and (out / "export" / "samples.png").read_bytes() == (
+        out / "samples" / "step_0000006.png").read_bytes()
 
     # The export opens in a stock diffusers pipeline, offline, and generates at the trained size.
     from diffusers import PixArtAlphaPipeline

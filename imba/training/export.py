@@ -19,6 +19,7 @@ from imba.training.build import build_dit, load_encoders
 from imba.training.checkpoints import CONFIG_FILE, load_ema_state, require_intact
 from imba.training.config import ConfigError, load_config
 from imba.training.ema import make_ema
+from imba.training.model_card import write_model_card
 from models.pipeline import build_pipeline, export_pipeline, is_pipeline_folder
 
 
@@ -42,6 +43,8 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksum
     export_dir = Path(export_dir or default_export_dir(checkpoint))
     scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
     export_pipeline(build_pipeline(transformer, scheduler=scheduler, **encoders.pipeline_parts()), export_dir)
+    step = load_ema_state(checkpoint)["optimization_step"]
+    write_model_card(export_dir, cfg, step, grid=checkpoint.parent.parent / "samples" / f"step_{step:07d}.png")
     return export_dir
 
 

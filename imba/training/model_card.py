@@ -1,0 +1,101 @@
+"""The model card of an export folder: the `README.md` the Hugging Face Hub shows as the model page.
+
+Its YAML header holds what the Hub and diffusers read (`library_name`, `pipeline_tag`, `tags`, `base_model` when the
+run fine-tuned a Hub model); the body says how to load the folder and how it was trained (data, resolution, steps,
+loss and objective settings, optimiser) and shows the run's last sample grid, copied into the folder. So
+`huggingface-cli upload <repo> <export folder>` publishes a usable page as it is.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from imba.training.config import Config
+
+CARD_FILE = "README.md"
+OBJECTIVES = {"flow": "rectified flow (velocity prediction)", "ddpm": "DDPM ε-prediction"}
+GRID_FILE = "samples.png"
+
+
+def _hub_id(spec: str | None) -> str | None:
+    """`spec` if it names a Hub repository ("owner/name", not a folder on this machine), else None."""
+    if not spec or Path(spec).exists() or spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+        return None
+    return spec
+
+
+def _part(spec: str) -> str:
+    return "random tiny stand-in (`tiny`: for tests and the CPU default)" if spec == "tiny" else f"`{spec}`"
+
+
+def _data_line(cfg: Config) -> str:
+    if cfg.data.shards:
+        return f"`{cfg.data.shards}` (img2dataset-layout tar shards)"
+    return f"the project's synthetic shapes ({cfg.data.synthetic_samples} images)"
+
+
+def _loss_line(cfg: Config) -> str:
+    loss = cfg.loss
+    if loss.kind == "plain":
+        return f"plain diffusion MSE with caption dropout {1 - loss.lam:g}"
+    level = "token level" if loss.kind == "imba" else "sample level"
+    return (f"IMBA ({level}): γ = {loss.gamma:g}, λ = {loss.lam:g}, distance {loss.distance}, reference "
+            f"{loss.reference}, normalisation {loss.normalize}, estimator {loss.estimator}")
+
+
+def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: bool = False) -> str:
+    """The card's text for a model trained with `cfg` for `step` optimizer steps on `processes` processes."""
+    base = _hub_id(cfg.model.pretrained)
+    header = {
+        "library_name": "diffusers",
+        "pipeline_tag": "text-to-image",
+        "tags": ["text-to-image", "diffusers", "pixart", "imba-dit", f"loss-{cfg.loss.kind.replace('_', '-')}"],
+    }
+    if base:
+        header["base_model"] = base
+    batch = f"{cfg.data.batch_size} per process × {cfg.train.grad_accum} accumulation steps"
+    if processes:
+        batch += f" × {processes} processes = {cfg.data.batch_size * cfg.train.grad_accum * processes}"
+    started = f"fine-tuned from `{cfg.model.pretrained}`" if cfg.model.pretrained else (
+        f"trained from scratch (preset `{cfg.model.preset}`)")
+    rows = [
+        ("model", f"PixArt-style DiT, {started}"),
+        ("data", _data_line(cfg)),
+        ("resolution", f"{cfg.data.resolution} px" + (" (aspect-ratio buckets)" if cfg.data.bucketing else "")),
+        ("steps", str(step)),
+        ("batch", batch),
+        ("loss", _loss_line(cfg)),
+        ("objective", OBJECTIVES.get(cfg.objective.kind, cfg.objective.kind)),
+        ("optimiser", f"AdamW, lr {cfg.optim.lr:g}, {cfg.optim.warmup_steps} warm-up steps, weight decay "
+                      f"{cfg.optim.weight_decay:g}; these weights are the EMA (decay {cfg.optim.ema_decay:g})"),
+        ("text encoder", f"{_part(cfg.model.text_encoder)}, {cfg.model.max_text_tokens} tokens"),
+        ("VAE", _part(cfg.model.vae)),
+    ]
+    lines = ["---", yaml.safe_dump(header, sort_keys=False, allow_unicode=True).strip(), "---", "",
+             "# PixArt-style text-to-image DiT (IMBA-DiT)", "",
+             "A stock diffusers pipeline folder: it loads without any code from the training project.", "",
+             "```python", "from diffusers import PixArtAlphaPipeline", "",
+             'pipe = PixArtAlphaPipeline.from_pretrained("<this folder or its Hub id>")',
+             f'image = pipe("{cfg.sample.prompts[0]}", height={cfg.data.resolution}, width={cfg.data.resolution}, '
+             f"use_resolution_binning=False).images[0]", "```", "", "## Training", "",
+             "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    if has_grid:
+        lines += ["## Samples", "", f"The run's last grid (EMA weights, guidance {cfg.sample.guidance_scale:g}, "
+                  f"{cfg.sample.steps} sampling steps), prompts in order: "
+                  + "; ".join(f"“{p}”" for p in cfg.sample.prompts) + ".", "", f"![samples]({GRID_FILE})", ""]
+    return "\n".join(lines)
+
+
+def write_model_card(folder: Path, cfg: Config, step: int, processes: int | None = None,
+                     grid: Path | None = None) -> Path:
+    """Write `folder/README.md` (and copy `grid`, the last sample grid, beside it when given)."""
+    folder = Path(folder)
+    has_grid = grid is not None and Path(grid).is_file()
+    if has_grid:
+        shutil.copyfile(grid, folder / GRID_FILE)
+    path = folder / CARD_FILE
+    path.write_text(model_card(cfg, step, processes, has_grid), encoding="utf-8")
+    return path

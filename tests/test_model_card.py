@@ -1,0 +1,42 @@
+"""The export's model card: the Hub's own parser reads its header, and the body states how the model was trained."""
+
+from huggingface_hub import ModelCard
+from PIL import Image
+
+from imba.training.config import load_config
+from imba.training.model_card import CARD_FILE, GRID_FILE, model_card, write_model_card
+
+
+def test_card_of_a_fine_tune_from_the_hub(tmp_path):
+    cfg = load_config(["model.pretrained=PixArt-alpha/PixArt-XL-2-256x256", "loss.kind=imba",
+                       "loss.normalize=timestep_mean", "data.shards=/data/laion/{00000..00999}.tar",
+                       "data.batch_size=16", "train.grad_accum=2"])
+    grid = tmp_path / "step_0001000.png"
+    Image.new("RGB", (8, 8), "red").save(grid)
+    export = tmp_path / "export"
+    export.mkdir()
+    path = write_model_card(export, cfg, step=1000, processes=8, grid=grid)
+    assert path == export / CARD_FILE and (export / GRID_FILE).read_bytes() == grid.read_bytes()
+
+    card = ModelCard.load(path)  # huggingface_hub's parser, offline: the metadata the Hub shows
+    assert card.data.library_name == "diffusers" and card.data.pipeline_tag == "text-to-image"
+    assert card.data.base_model == "PixArt-alpha/PixArt-XL-2-256x256"
+    assert {"text-to-image", "diffusers", "loss-imba"} <= set(card.data.tags)
+    text = card.text
+    assert "fine-tuned from `PixArt-alpha/PixArt-XL-2-256x256`" in text
+    assert "`/data/laion/{00000..00999}.tar`" in text and "| steps | 1000 |" in text
+    assert "16 per process × 2 accumulation steps × 8 processes = 256" in text
+    assert "normalisation timestep_mean" in text and f"![samples]({GRID_FILE})" in text
+
+
+def test_card_of_a_run_from_scratch_names_no_base_and_no_missing_grid(tmp_path):
+    local_base = tmp_path / "base" / "export"
+    local_base.mkdir(parents=True)
+    for extra, base in ([], None), ([f"model.pretrained={local_base}"], None):
+        cfg = load_config(["loss.kind=plain", "loss.lam=0.9", *extra])
+        card = ModelCard(model_card(cfg, step=300, has_grid=False))
+        assert card.data.base_model == base  # a folder on this machine is no Hub base model
+        assert "caption dropout 0.1" in card.text and "## Samples" not in card.text
+        assert "loss-plain" in card.data.tags
+    path = write_model_card(tmp_path, load_config([]), step=3, grid=tmp_path / "missing.png")
+    assert "## Samples" not in path.read_text() and not (tmp_path / GRID_FILE).exists()
