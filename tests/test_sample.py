@@ -174,3 +174,31 @@ def test_a_training_checkpoint_is_exported_once_then_sampled(tmp_path, capsys):
     # the same weights either way: sampling the export folder directly gives the same image
     main([str(export), "--prompts", str(prompts), "--out", str(tmp_path / "c"), "--steps", "2"])
     assert np.array_equal(pixels(tmp_path / "b", row), pixels(tmp_path / "c", row))
+
+
+def test_a_hub_id_is_sampled_from_the_local_hub_cache_offline(export_dir, tmp_path):
+    """An export uploaded to the Hub and downloaded again sits in the Hub cache as a snapshot: the sampling
+    command opens it by its id with the network off (HF_HUB_OFFLINE=1), as after `huggingface-cli download`."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-imba"
+    shutil.copytree(export_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    proc = subprocess.run([sys.executable, "-m", "imba.training.sample", "someone/tiny-imba", "--prompts",
+                           str(prompts), "--out", str(tmp_path / "out"), *FAST], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["prompt"] for r in manifest(tmp_path / "out")] == ["a red circle"]
+    # the same images as sampling the folder itself
+    direct = tmp_path / "direct"
+    assert main([str(export_dir), "--prompts", str(prompts), "--out", str(direct), *FAST]) == 0
+    via_hub = pixels(tmp_path / "out", manifest(tmp_path / "out")[0])
+    assert np.array_equal(via_hub, pixels(direct, manifest(direct)[0]))
