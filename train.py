@@ -87,8 +87,9 @@ def main(argv: list[str]) -> int:
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
 
     # ---- loop ------------------------------------------------------------------------------------------------
-    grids = GridSampler(cfg, objective, device, is_main, encoders=None if manifest else features)
-    accelerator.init_trackers("imba-dit", config=flat_dict(cfg))
+    grids = GridSampler(cfg, objective, device, is_main, encoders=None if manifest else features,
+                        accelerator=accelerator)
+    accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
     metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
     window, monitor, bucketer = MetricWindow(), BucketMonitor(), concept_bucketer(cfg, accelerator, shards, out)
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")

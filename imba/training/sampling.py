@@ -1,10 +1,13 @@
-"""The sample grids of a run: its fixed prompts (`sample.*`) drawn from the EMA weights, as `samples/step_*.png`."""
+"""The sample grids of a run: its fixed prompts (`sample.*`) drawn from the EMA weights, as `samples/step_*.png`,
+and as images in the run's TensorBoard and W&B trackers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from imba.training.build import load_encoders
 from imba.training.config import Config
@@ -17,8 +20,10 @@ class GridSampler:
     """Samples grids on the main process; `encoders` are the run's frozen encoders, or None when it trains on
     precomputed features (they are then loaded on first use, by the main process only)."""
 
-    def __init__(self, cfg: Config, objective, device, is_main: bool, encoders: FrozenEncoders | None) -> None:
+    def __init__(self, cfg: Config, objective, device, is_main: bool, encoders: FrozenEncoders | None,
+                 accelerator=None) -> None:
         self.cfg, self.objective, self.device, self.is_main, self.encoders = cfg, objective, device, is_main, encoders
+        self.accelerator = accelerator  # its trackers get each grid
 
     def pipeline_parts(self) -> dict:
         """What a diffusers pipeline needs besides the transformer: the sampling scheduler and the frozen parts."""
@@ -33,4 +38,16 @@ class GridSampler:
             s, path = self.cfg.sample, Path(self.cfg.train.output_dir) / "samples" / f"step_{step:07d}.png"
             save_grid(ema_model, self.pipeline_parts(), path, s.prompts, self.cfg.data.resolution, s.guidance_scale,
                       s.steps, s.seed, self.cfg.model.max_text_tokens)
+            if self.accelerator is not None:
+                log_grid(self.accelerator.trackers, path, step)
         return ema_model
+
+
+def log_grid(trackers, path: Path, step: int) -> None:
+    """The grid image at `path` as the `samples` image of `step` in each tracker that shows images."""
+    image = Image.open(path).convert("RGB")
+    for tracker in trackers:
+        if tracker.name == "tensorboard":
+            tracker.log_images({"samples": np.asarray(image)[None]}, step=step, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            tracker.log_images({"samples": [image]}, step=step)
