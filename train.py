@@ -35,6 +35,7 @@ from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import batches_done, plan_resume, restore
 from imba.training.sampling import GridSampler
+from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
 from models.pipeline import build_pipeline, export_pipeline
 
@@ -92,6 +93,8 @@ def main(argv: list[str]) -> int:
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
     metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
     window, monitor, bucketer = MetricWindow(), BucketMonitor(), concept_bucketer(cfg, accelerator, shards, out)
+    val_shards = validation_shards(cfg, accelerator, out)  # None: no validation
+    validator = val_shards and Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer)
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     throughput = Throughput(cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes, state.step)
     preemption = PreemptionHandler()  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit for a requeue
@@ -137,8 +140,12 @@ def main(argv: list[str]) -> int:
                               f"({guard.consecutive} in a row, the run stops at {guard.max_bad_steps})")
         else:
             ema.step(dit.parameters())
-        if step % cfg.train.log_every == 0 or last:
-            metrics = reduce_over_ranks(accelerator, window.means() | monitor.means())
+        val = {}
+        if validator and step % cfg.train.val_every == 0:
+            with throughput.paused():
+                val = validator.run(dit, ema)  # the EMA on the fixed held-out set
+        if step % cfg.train.log_every == 0 or last or val:
+            metrics = reduce_over_ranks(accelerator, window.means() | monitor.means()) | val
             metrics.update(lr=lr_scheduler.get_last_lr()[0], ema_decay=ema.cur_decay_value,
                            images_per_s=throughput.images_per_s(step))
             metrics["nonfinite_steps"] = guard.skipped

@@ -35,6 +35,8 @@ RUN = [
     # the efficient estimator with caption dropout 0.7: at some steps one rank drops every row (no kept row, so no
     # no-grad pass of its own) while the other does not: DDP must not hang, ZeRO-3 must run the same passes
     "loss.estimator=efficient", "loss.lam=0.3",
+    # validation every 3 steps: each rank evaluates its share of the held-out set, one reduction
+    "train.val_every=3", "data.val_samples=5",
 ]
 LAUNCHERS = {
     # the CPU form that really starts 2 processes (gloo)
@@ -134,6 +136,10 @@ def test_two_processes_train_identically_and_resume_exactly(tmp_path, kind, full
     # same final parameters, bitwise, on both ranks, although the uninterrupted run sampled a grid at step 3
     assert resumed_digests == full_digests
     assert [losses(split)[s] for s in (4, 5, 6)] == [losses(full)[s] for s in (4, 5, 6)]  # same batches, noise
+    # the validation loss of the same EMA weights on the same fixed set: bitwise the same after the resume
+    val = {out: {r["step"]: r.get("val/loss") for r in map(json.loads, (out / "metrics.jsonl").read_text()
+                                                             .splitlines())} for out in (full, split)}
+    assert val[full][3] > 0 and val[split][6] == val[full][6] > 0
     checkpoint = split / "checkpoints" / "step_0000006"
     assert (checkpoint / "random_states_0.pkl").is_file() and (checkpoint / "random_states_1.pkl").is_file()
     split_ema, full_ema = ema_state(checkpoint), ema_state(full / "checkpoints" / "step_0000006")

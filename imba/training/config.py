@@ -65,6 +65,10 @@ class DataConfig:
     bucketing: bool = False
     synthetic_samples: int = 2000  # size of the synthetic shard set written when shards is None
     synthetic_dir: str | None = None  # where it is written; None = <train.output_dir>/synthetic_shards
+    # validation set (train.val_every): shards of the same kind as `shards` (images, or precomputed features); None
+    # = a held-out synthetic set (other seed) for synthetic training, no validation for data.shards
+    val_shards: str | None = None
+    val_samples: int = 64  # the first N samples of the validation shards' seeded order, split over the ranks
 
 
 @dataclass
@@ -139,6 +143,9 @@ class TrainConfig:
     save_every: int = 100  # checkpoint interval in steps; 0 = only at the end
     keep_checkpoints: int = 3
     sample_every: int = 100  # sample-grid interval in steps; 0 = only at the end
+    # validation loss of the EMA weights every N steps (0 = off): fixed samples, noise and timesteps, so curves
+    # compare across runs and resumes
+    val_every: int = 100
     resume: str = "latest"  # latest (newest checkpoint in output_dir, if any) | none (start fresh) | a step_* folder
     # a step with a non-finite loss or gradient norm is skipped on every rank; after this many in a row the run
     # stops (exit status 3) without saving the diverged weights
@@ -353,6 +360,8 @@ RANGES = {
     "data.shuffle_buffer": _Range(0, note="0 = no shuffle buffer"),
     "data.min_size": _Range(0, note="0 = no minimum"),
     "data.synthetic_samples": _AT_LEAST_1,
+    "data.val_samples": _AT_LEAST_1,
+    "train.val_every": _Range(0, note="0 = no validation"),
     "objective.logit_std": _POSITIVE,
     "objective.shift": _POSITIVE,
     "objective.beta_start": _Range(0, 1, low_open=True, high_open=True),
