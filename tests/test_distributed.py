@@ -30,8 +30,9 @@ RUN = [
     "data.resolution=64", "data.batch_size=2", "data.synthetic_samples=24", "train.log_every=1",
     "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "optim.warmup_steps=2",
     "train.trackers=none",
-    # running means of D per timestep bin: state that must be the same on every rank for an exact resume
-    "loss.normalize=timestep_mean",
+    # the IMBA loss with running means of D per timestep bin: state that must be the same on every rank for an
+    # exact resume
+    "loss.kind=imba", "loss.normalize=timestep_mean",
     # the efficient estimator with caption dropout 0.7: at some steps one rank drops every row (no kept row, so no
     # no-grad pass of its own) while the other does not: DDP must not hang, ZeRO-3 must run the same passes
     "loss.estimator=efficient", "loss.lam=0.3",
