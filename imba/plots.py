@@ -215,12 +215,13 @@ def plot_grouped_bars(
     half-width of the confidence interval)}}}), one group of bars per entry of ``groups`` on x, one bar per entry
     of ``series`` (a series missing from a panel leaves its slot empty). Values are multiplied by ``scale``;
     whiskers are clipped to ``ylim``. Group labels that are bucket names take the bucket colours. ``size`` defaults
-    to 620 x 520 pixels per panel plus room for the legend."""
+    to 620 x 520 pixels per panel (at least 900 wide) plus rows for the legend below."""
     if not panels or not groups or not series:
         raise ValueError("plot_grouped_bars: nothing to draw (no panels, groups or series)")
     colours = {s: SERIES_COLOURS[i % len(SERIES_COLOURS)] for i, s in enumerate(series)}
     width = 0.8 / len(series)
-    with _figure(path, size or (620 * len(panels) + 220, 520)) as fig:
+    legend_rows = -(-len(series) // 4)
+    with _figure(path, size or (max(620 * len(panels) + 60, 900), 520 + 26 * legend_rows + 40)) as fig:
         axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
         for ax, (panel_title, values) in zip(axes, panels.items()):
             for g, group in enumerate(groups):
@@ -249,8 +250,9 @@ def plot_grouped_bars(
             ax.set_title(panel_title)
             ax.set_xlabel("pair bucket")
         axes[0].set_ylabel(ylabel)
-        fig.legend(handles=[Patch(color=colours[s], label=s) for s in series], loc="outside right upper",
-                   title="variant")
+        # below the panels: beside them, a one-panel figure's title would run into it
+        fig.legend(handles=[Patch(color=colours[s], label=s) for s in series], loc="outside lower center",
+                   ncols=min(len(series), 4), title="variant")
         if title:
             fig.suptitle(title)
     return Path(path)

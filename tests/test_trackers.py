@@ -12,7 +12,7 @@ from test_train_precomputed import run_main
 
 RUN = ["data.resolution=64", "data.batch_size=2", "data.synthetic_samples=24", "train.max_steps=4",
        "train.log_every=1", "train.sample_every=2", "train.save_every=0", "sample.steps=2",
-       "sample.prompts=[a red circle]", "train.trackers=tensorboard,wandb"]
+       "sample.prompts=[a red circle]", "train.trackers=tensorboard,wandb", "loss.kind=imba"]
 MONITOR = [f"monitor/{name}_{bucket}" for name in ("distance", "loss_cond") for bucket in ("head", "torso", "tail")]
 
 
