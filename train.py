@@ -1,4 +1,4 @@
-"""Train a PixArt-style diffusion transformer with the IMBA loss.
+"""Train a PixArt-style diffusion transformer: the plain diffusion loss by default, the IMBA loss with loss.kind=imba.
 
     python train.py                                   # tiny CPU default: synthetic shards, random tiny T5/VAE
     python train.py --config configs/tiny.yaml loss.kind=plain train.max_steps=50
@@ -6,7 +6,8 @@
     python train.py --export outputs/tiny/checkpoints/step_0000200 [EXPORT_DIR]   # any checkpoint → diffusers
 
 Reads top to bottom: config → accelerator → frozen encoders, DiT, loss, optimizer → resume → data → loop
-(noise, loss, step, EMA, log, checkpoint, sample grid, pre-emption) → last grid and a diffusers pipeline export.
+(noise, loss, step, EMA, validation, log, checkpoint, sample grid, pre-emption) → last grid, a diffusers pipeline
+export and its model card.
 The parts are built in `imba/training/`; this file is the order in which they meet.
 """
 
