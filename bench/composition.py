@@ -407,7 +407,8 @@ def markdown_report(summary: dict, gaps: dict, failures: dict, variants: list[st
     columns = ("head", "torso", "tail", "held_out", "all_seen")
     lines = []
     for length in lengths:
-        lines.append(f"\n**Equal steps: {length}** (composition success %, mean over {seeds} seed(s) ± 95 % CI)\n")
+        spread = "± 95 % CI" if seeds > 1 else "one seed: no CI, the ± 0.0 stands for none"
+        lines.append(f"\n**Equal steps: {length}** (composition success %, mean over {seeds} seed(s) {spread})\n")
         lines.append("| variant | " + " | ".join(columns) + " |")
         lines.append("|---" * (len(columns) + 1) + "|")
         for variant in variants:

@@ -207,7 +207,7 @@ def test_bar_plot_draws_the_equal_steps_and_equal_compute_panels_and_rejects_an_
     summary = {100: {"plain": cells, "imba_cond": cells}, 200: {"plain": cells}}
     composition.bar_plot(summary, ["plain", "imba_cond"], [100], tmp_path / "composition.png")
     with Image.open(tmp_path / "composition.png") as img:
-        assert img.format == "PNG" and img.size == (2 * 620 + 220, 520)
+        assert img.format == "PNG" and img.size == (2 * 620 + 60, 520 + 26 + 40)  # two panels, one legend row
     with pytest.raises(ValueError, match="nothing to draw"):
         composition.bar_plot({}, ["plain"], [], tmp_path / "none.png")
 
