@@ -2,14 +2,17 @@
 image shards, and fp16 mixed precision (on a GPU; refused on the CPU). Each test checks that the mode really took
 effect, not only that the run finished."""
 
+import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import train
-from imba.training.config import ConfigError
 from models.encoders import FrozenEncoders
 from test_buckets import TABLE, shards as bucket_shards  # noqa: F401 (a fixture)
 from test_train_precomputed import run_main
@@ -95,8 +98,12 @@ def test_buckets_on_image_shards_train_every_batch_at_its_buckets_shape(bucket_s
 
 def test_fp16_on_the_cpu_is_refused_in_one_line(tmp_path):
     # accelerate would run it as float32 without autocast or a GradScaler
-    with pytest.raises(ConfigError, match=r"train.mixed_precision=fp16 needs a GPU .*; use bf16 or no"):
-        run_main([*TINY, "train.mixed_precision=fp16", f"train.output_dir={tmp_path}"])
+    proc = subprocess.run([sys.executable, str(Path(train.__file__)), *TINY, "train.mixed_precision=fp16",
+                           f"train.output_dir={tmp_path}"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert re.fullmatch(r"error: train.mixed_precision=fp16 needs a GPU .*; use bf16 or no",
+                        proc.stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
