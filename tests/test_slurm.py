@@ -22,7 +22,7 @@ from slurm_cluster import Cluster, missing
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason=f"no one-node SLURM: {missing()}")]
 
-MAX_STEPS = 240
+MAX_STEPS = 500  # more than two time-limit runs can train on a fast machine
 TRAIN = ["data.resolution=32", "data.batch_size=2", "data.synthetic_samples=24", "train.save_every=0",
          "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "train.trackers=none",
          "train.log_every=20", f"train.max_steps={MAX_STEPS}"]
