@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
     window, monitor, bucketer = MetricWindow(), BucketMonitor(), concept_bucketer(cfg, accelerator, shards, out)
     val_shards = validation_shards(cfg, accelerator, out)  # None: no validation
-    validator = val_shards and Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer)
+    validator = Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     throughput = Throughput(cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes, state.step)
     preemption = PreemptionHandler()  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit for a requeue
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
         else:
             ema.step(dit.parameters())
         val = {}
-        if validator and step % cfg.train.val_every == 0:
+        if validator is not None and step % cfg.train.val_every == 0:
             with throughput.paused():
                 val = validator.run(dit, ema)  # the EMA on the fixed held-out set
         if step % cfg.train.log_every == 0 or last or val:

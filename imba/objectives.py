@@ -38,10 +38,14 @@ class DDPMEpsilon:
             beta_start=beta_start, beta_end=beta_end, prediction_type="epsilon",
         )
 
+    @property
+    def num_train_timesteps(self) -> int:
+        return self.noise_scheduler.config.num_train_timesteps
+
     def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> NoisedBatch:
         b = latents.shape[0]
         noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype, device=latents.device)
-        t = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (b,), generator=generator,
+        t = torch.randint(0, self.num_train_timesteps, (b,), generator=generator,
                           device=latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, t)
         return NoisedBatch(noisy=noisy, timesteps=t, target=noise)

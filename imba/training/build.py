@@ -23,17 +23,22 @@ def load_encoders(cfg: Config, device) -> FrozenEncoders:
         raise ConfigError(str(err)) from err
 
 
+def precomputed_manifest(cfg: Config, shards, key: str = "data.shards") -> dict | None:
+    """The manifest of `shards` if `python -m data.precompute` wrote them for this run's encoders, resolution and
+    text length; None for image shards; a one-line `ConfigError` (naming `key`) for features of other settings."""
+    m = cfg.model
+    try:
+        return find_manifest(shards, resolution=cfg.data.resolution, max_text_tokens=m.max_text_tokens, vae=m.vae,
+                             vae_subfolder=m.vae_subfolder, text_encoder=m.text_encoder,
+                             text_encoder_subfolder=m.text_encoder_subfolder, tokenizer_subfolder=m.tokenizer_subfolder)
+    except ValueError as err:  # precomputed with other encoders, resolution or text length
+        raise ConfigError(str(err) if key == "data.shards" else f"{key}: {err}") from err
+
+
 def load_features(cfg: Config, device) -> tuple[FrozenEncoders | PrecomputedFeatures, dict | None]:
     """(what turns a batch into latents and text states, the precomputed manifest or None). Shards written by
     `python -m data.precompute` already hold both: then neither the VAE nor T5 is loaded to train."""
-    m = cfg.model
-    try:
-        manifest = find_manifest(cfg.data.shards, resolution=cfg.data.resolution, max_text_tokens=m.max_text_tokens,
-                                 vae=m.vae, vae_subfolder=m.vae_subfolder, text_encoder=m.text_encoder,
-                                 text_encoder_subfolder=m.text_encoder_subfolder,
-                                 tokenizer_subfolder=m.tokenizer_subfolder)
-    except ValueError as err:  # precomputed with other encoders, resolution or text length
-        raise ConfigError(str(err)) from err
+    manifest = precomputed_manifest(cfg, cfg.data.shards)
     return (PrecomputedFeatures(manifest, device) if manifest else load_encoders(cfg, device)), manifest
 
 

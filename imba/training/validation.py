@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from data.loaders import build_loader
-from data.precomputed import find_manifest
 from data.seeds import derive_seed
 from data.synthetic import write_synthetic_shards
 from data.urls import expand_urls
+from imba.training.build import precomputed_manifest
 from imba.training.config import Config, ConfigError
 from imba.training.ema import ema_weights_copy
 from models.dit import predict
@@ -50,12 +50,12 @@ def validation_shards(cfg: Config, accelerator, out: Path) -> list[str] | None:
     return write_synthetic_shards(folder, **write)
 
 
+@contextlib.contextmanager
 def _fixed_rng(device: torch.device, seed: int):
     """A block whose random draws come from `seed` and leave the caller's streams as they were."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-    torch.manual_seed(seed)
-    return stack
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 class Validator:
@@ -64,16 +64,9 @@ class Validator:
     def __init__(self, cfg: Config, accelerator, shards: list[str], features, manifest: dict | None, objective,
                  bucketer=None) -> None:
         self.accelerator, self.batch_size, self.vae_scale = accelerator, cfg.data.batch_size, features.vae_scale
-        scheduler = getattr(objective, "noise_scheduler", None)  # DDPM: the scheduler's T; flow: the objective's
-        self.num_timesteps = scheduler.config.num_train_timesteps if scheduler else objective.num_train_timesteps
-        d, m = cfg.data, cfg.model
-        try:
-            val_manifest = find_manifest(shards, resolution=d.resolution, max_text_tokens=m.max_text_tokens, vae=m.vae,
-                                         vae_subfolder=m.vae_subfolder, text_encoder=m.text_encoder,
-                                         text_encoder_subfolder=m.text_encoder_subfolder,
-                                         tokenizer_subfolder=m.tokenizer_subfolder)
-        except ValueError as err:
-            raise ConfigError(f"data.val_shards: {err}") from err
+        self.num_timesteps = objective.num_train_timesteps
+        d = cfg.data
+        val_manifest = precomputed_manifest(cfg, shards, key="data.val_shards")
         if (val_manifest is None) != (manifest is None):
             kinds = ("precomputed features", "image shards")
             raise ConfigError(f"data.val_shards must be {kinds[manifest is None]} like data.shards, not "
