@@ -38,7 +38,7 @@ from imba.training.resume import batches_done, plan_resume, restore
 from imba.training.sampling import GridSampler
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
-from models.pipeline import build_pipeline, export_pipeline
+from models.pipeline import PIPELINES, build_pipeline, export_pipeline
 
 
 def main(argv: list[str]) -> int:
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
                          grid=out / "samples" / f"step_{state.step:07d}.png")  # the Hub's model page
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
               f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
-              f"(PixArtAlphaPipeline.from_pretrained('{export_dir}'))")
+              f"({PIPELINES[grids.pipeline].__name__}.from_pretrained('{export_dir}'))")
     accelerator.wait_for_everyone()
     preemption.restore()  # leave the caller's signal handlers as they were (train.main may run in-process)
     accelerator.end_training()

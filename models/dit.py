@@ -1,7 +1,8 @@
 """PixArt-style diffusion transformers, built on diffusers' `PixArtTransformer2DModel`.
 
 Using the diffusers class (adaLN-single, cross-attention to T5 tokens, patch embedding) means every checkpoint this
-project writes opens in a stock `PixArtAlphaPipeline`, and PixArt-α/Σ weights fine-tune directly.
+project writes opens in a stock `PixArtAlphaPipeline` (or `PixArtSigmaPipeline`), and PixArt-α/Σ weights fine-tune
+directly.
 
 Presets are named widths/depths; the sample size and caption width come from the VAE and text encoder in use.
 """
@@ -101,10 +102,13 @@ def load_pretrained_transformer(spec: str, sample_size: int, caption_channels: i
                                 subfolder: str = "") -> PixArtTransformer2DModel:
     """A diffusers-format PixArt transformer (PixArt-α/Σ, or our own export) to fine-tune at `sample_size`.
 
-    Adapted where standard: the sin-cos position embedding is not learned, so a new resolution only rebuilds it;
-    the pretrained model's interpolation scale and micro-conditioning are kept, so positions and size
-    conditioning mean what they meant in pre-training. Refused with a clear message: a different latent channel
-    count (another VAE) or text width (another text encoder).
+    Adapted where standard: the sin-cos position embedding is not learned, so a new resolution only rebuilds it
+    (sample_size becomes the new latent size); the pretrained model's interpolation scale and micro-conditioning
+    are kept, so positions and size conditioning mean what they meant in pre-training. A size-conditioned model
+    (PixArt-α 1024-MS) keeps its sample_size instead: diffusers' PixArtAlphaPipeline passes the image size only to
+    sample_size 128, and the transformer computes its position embedding for any input size, as the stock
+    pipeline does when it samples that model at another resolution. Refused with a clear message: a different
+    latent channel count (another VAE) or text width (another text encoder).
     """
     path = Path(spec)
     if not subfolder and path.is_dir() and not (path / "config.json").is_file() \
@@ -123,12 +127,12 @@ def load_pretrained_transformer(spec: str, sample_size: int, caption_channels: i
                          f"embeddings but the text encoder gives {caption_channels}: use the text encoder it was "
                          "trained with (PixArt: T5 v1.1 XXL)")
     pretrained_size = config["sample_size"]
+    size_conditioned = (config["use_additional_conditions"] if config.get("use_additional_conditions") is not None
+                        else pretrained_size == 128)  # diffusers' default
     return PixArtTransformer2DModel.from_pretrained(
-        spec, subfolder=subfolder or None, sample_size=sample_size,
+        spec, subfolder=subfolder or None, sample_size=pretrained_size if size_conditioned else sample_size,
         interpolation_scale=config.get("interpolation_scale") or max(pretrained_size // 64, 1),
-        use_additional_conditions=(config["use_additional_conditions"]
-                                   if config.get("use_additional_conditions") is not None
-                                   else pretrained_size == 128),
+        use_additional_conditions=size_conditioned,
     )
 
 

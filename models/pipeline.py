@@ -1,7 +1,8 @@
-"""Assemble the trained parts into a stock diffusers `PixArtAlphaPipeline`: sample grids and the export folder.
+"""Assemble the trained parts into a stock diffusers pipeline: sample grids and the export folder.
 
 The export is a plain diffusers folder (transformer, vae, text_encoder, tokenizer, scheduler, model_index.json):
-`PixArtAlphaPipeline.from_pretrained(folder)` opens it with no code from this project.
+`PixArtAlphaPipeline.from_pretrained(folder)` (or `PixArtSigmaPipeline` for a PixArt-Σ fine-tune) opens it with no
+code from this project. The grids are drawn by the same class, so what a run shows is what a user of the export gets.
 """
 
 from __future__ import annotations
@@ -11,8 +12,14 @@ import math
 from pathlib import Path
 
 import torch
-from diffusers import PixArtAlphaPipeline
+from diffusers import DiffusionPipeline, PixArtAlphaPipeline, PixArtSigmaPipeline
 from PIL import Image
+
+# The stock pipelines a model is exported for (config key model.pipeline). They differ in what they give the
+# transformer: α passes the image size (micro-conditioning) exactly when the transformer's sample_size is 128, Σ
+# never does; α encodes 120 text tokens by default, Σ 300.
+PIPELINES = {"alpha": PixArtAlphaPipeline, "sigma": PixArtSigmaPipeline}
+SIZE_CONDITIONED_SAMPLE_SIZE = 128  # the only sample_size for which PixArtAlphaPipeline passes resolution/aspect
 
 
 def is_pipeline_folder(folder: Path) -> bool:
@@ -20,8 +27,42 @@ def is_pipeline_folder(folder: Path) -> bool:
     return (Path(folder) / "model_index.json").is_file()
 
 
-def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler) -> PixArtAlphaPipeline:
-    pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+def pipeline_kind_of(spec: str, subfolder: str = "") -> str | None:
+    """The kind (a key of PIPELINES) whose class the model_index.json of the pipeline folder or Hub repository `spec`
+    (a pretrained model) names; None for a transformer-only folder or repository (e.g. PixArt-Sigma-XL-2-512-MS).
+
+    A local transformer folder inside a pipeline folder (`<export>/transformer`) is read from its parent."""
+    roots = [spec]
+    path = Path(spec)
+    if path.is_dir() and not subfolder and (path / "config.json").is_file():
+        roots.append(str(path.parent))
+    for root in roots:
+        try:
+            name = DiffusionPipeline.load_config(root).get("_class_name")
+        except OSError:  # no model_index.json there (or not reachable): no pipeline class to follow
+            continue
+        return next((kind for kind, cls in PIPELINES.items() if cls.__name__ == name), None)
+    return None
+
+
+def unsamplable_reason(config, kind: str) -> str | None:
+    """Why the stock pipeline of `kind` cannot sample a transformer with `config`, or None when it can: a
+    size-conditioned transformer given no image size fails inside diffusers' size embedding."""
+    if not config.get("use_additional_conditions"):
+        return None
+    if kind == "sigma":
+        return ("PixArtSigmaPipeline passes no image size, so it cannot sample a transformer with size "
+                "micro-conditioning (use_additional_conditions): set model.pipeline=alpha")
+    if config.get("sample_size") != SIZE_CONDITIONED_SAMPLE_SIZE:
+        return (f"PixArtAlphaPipeline passes the image size only to transformers of sample_size "
+                f"{SIZE_CONDITIONED_SAMPLE_SIZE}, so it cannot sample this one with size micro-conditioning "
+                f"(use_additional_conditions) at sample_size {config.get('sample_size')}")
+    return None
+
+
+def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler, pipeline: str = "alpha") -> DiffusionPipeline:
+    """The stock pipeline class `pipeline` ("alpha" or "sigma", see PIPELINES) around the parts."""
+    pipe = PIPELINES[pipeline](tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                                scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -38,7 +79,7 @@ def image_grid(images: list[Image.Image], columns: int | None = None) -> Image.I
 
 
 @torch.no_grad()
-def sample_images(pipe: PixArtAlphaPipeline, prompts: list[str], resolution: int, guidance_scale: float,
+def sample_images(pipe: DiffusionPipeline, prompts: list[str], resolution: int, guidance_scale: float,
                   steps: int, seed: int | list[int], max_text_tokens: int) -> list[Image.Image]:
     """Fixed prompts, fixed seed, classifier-free guidance; one image per prompt.
 
@@ -73,7 +114,7 @@ def sample_images(pipe: PixArtAlphaPipeline, prompts: list[str], resolution: int
         ).images
 
 
-def export_pipeline(pipe: PixArtAlphaPipeline, folder: Path) -> Path:
+def export_pipeline(pipe: DiffusionPipeline, folder: Path) -> Path:
     """Write the pipeline folder in float32, so `from_pretrained(folder)` gives one consistent dtype.
 
     Moves the parts to the CPU in float32 in place: call it once, at the end of a run. For inference in half
@@ -88,7 +129,8 @@ def export_pipeline(pipe: PixArtAlphaPipeline, folder: Path) -> Path:
 
 def save_grid(transformer, parts: dict, path: Path, prompts: list[str], resolution: int, guidance_scale: float,
               steps: int, seed: int, max_text_tokens: int) -> None:
-    """A grid of `prompts` sampled from `transformer`. `parts`: vae, text_encoder, tokenizer, scheduler."""
+    """A grid of `prompts` sampled from `transformer`. `parts`: vae, text_encoder, tokenizer, scheduler and
+    optionally pipeline (the kind, see build_pipeline)."""
     images = sample_images(build_pipeline(transformer=transformer, **parts), prompts, resolution, guidance_scale,
                            steps, seed, max_text_tokens)
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from imba.training.config import Config, ConfigError
 from imba.training_loss import TrainingLoss
 from models.dit import build_transformer, load_pretrained_transformer
 from models.encoders import DTYPES, FrozenEncoders
+from models.pipeline import pipeline_kind_of, unsamplable_reason
 
 
 def load_encoders(cfg: Config, device) -> FrozenEncoders:
@@ -42,8 +43,20 @@ def load_features(cfg: Config, device) -> tuple[FrozenEncoders | PrecomputedFeat
     return (PrecomputedFeatures(manifest, device) if manifest else load_encoders(cfg, device)), manifest
 
 
+def pipeline_kind(cfg: Config) -> str:
+    """The stock pipeline the run samples its grids with and exports for: model.pipeline, or for `auto` the one
+    model.pretrained's model_index.json names (PixArt-α for a transformer-only model or a model from scratch)."""
+    m = cfg.model
+    if m.pipeline != "auto":
+        return m.pipeline
+    return (m.pretrained and pipeline_kind_of(m.pretrained, m.pretrained_subfolder)) or "alpha"
+
+
 def build_dit(cfg: Config, features) -> torch.nn.Module:
-    """The DiT (a random preset, or pretrained weights) sized for the latents and text states `features` give."""
+    """The DiT (a random preset, or pretrained weights) sized for the latents and text states `features` give.
+
+    Refused before any training: a model that the run's stock pipeline (`pipeline_kind`) could not sample, since
+    neither its grids nor its export would work."""
     latent_size, rest = divmod(cfg.data.resolution, features.vae_scale)
     if rest:
         raise ConfigError(f"data.resolution={cfg.data.resolution} must be a multiple of the VAE's "
@@ -55,9 +68,13 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
         except ValueError as err:  # e.g. a latent size the patch size does not divide
             raise ConfigError(f"data.resolution={cfg.data.resolution}: {err}") from err
     try:
-        return load_pretrained_transformer(cfg.model.pretrained, *sizes, cfg.model.pretrained_subfolder)
+        dit = load_pretrained_transformer(cfg.model.pretrained, *sizes, cfg.model.pretrained_subfolder)
     except (OSError, ValueError) as err:
         raise ConfigError(str(err)) from err
+    reason = unsamplable_reason(dit.config, pipeline_kind(cfg))
+    if reason:
+        raise ConfigError(f"model.pretrained={cfg.model.pretrained}: {reason}")
+    return dit
 
 
 def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank: bool,

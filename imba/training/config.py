@@ -28,6 +28,7 @@ from imba.objectives import OBJECTIVES, DDPMEpsilon
 from imba.training_loss import ESTIMATORS, LOSS_KINDS
 from models.dit import ATTENTION_BACKENDS, PRESETS
 from models.encoders import DTYPES
+from models.pipeline import PIPELINES
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,10 @@ class ModelConfig:
     preset: str = "tiny"  # a key of models.dit.PRESETS (tiny, small, base, 1b, ...); ignored when pretrained is set
     pretrained: str | None = None  # fine-tune: a diffusers PixArt transformer (hub id or folder, e.g. an export)
     pretrained_subfolder: str = ""  # "transformer" for pipeline repositories (auto-detected for local folders)
+    # the stock pipeline of the grids and the export: alpha (PixArtAlphaPipeline) | sigma (PixArtSigmaPipeline) |
+    # auto (the one model.pretrained's model_index.json names, else alpha); sigma for PixArt-Σ transformer-only
+    # repositories (PixArt-Sigma-XL-2-256x256, -512-MS, -2K-MS)
+    pipeline: str = "auto"
     text_encoder: str = "tiny"  # "tiny", a hub id (google/t5-v1_1-xxl) or a local folder
     text_encoder_subfolder: str = ""  # e.g. "text_encoder" inside a PixArt repository
     tokenizer_subfolder: str = ""  # e.g. "tokenizer" inside a PixArt repository
@@ -174,6 +179,7 @@ class Config:
 CHOICES = {
     "model.preset": tuple(PRESETS),
     "model.encoder_dtype": tuple(DTYPES),
+    "model.pipeline": ("auto", *PIPELINES),
     "data.mode": ("auto", "indexed", "streaming"),
     "loss.kind": LOSS_KINDS,
     "loss.distance": DISTANCES,

@@ -3,7 +3,8 @@
     python train.py --export outputs/tiny/checkpoints/step_0000200 [EXPORT_DIR]
 
 Works for checkpoints of every mode (single process, DDP, ZeRO-1/2/3: the EMA is saved whole in all of them). The
-folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` and no code from this project. The checkpoint is
+folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` (`PixArtSigmaPipeline` for a PixArt-Σ run, see
+`build.pipeline_kind`) and no code from this project. The checkpoint is
 verified against its manifest first (`checkpoints.require_intact`): a damaged one is a one-line error, never an
 export of corrupted weights.
 """
@@ -15,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from imba.objectives import build_objective
-from imba.training.build import build_dit, load_encoders
+from imba.training.build import build_dit, load_encoders, pipeline_kind
 from imba.training.checkpoints import CONFIG_FILE, load_ema_state, require_intact
 from imba.training.config import ConfigError, load_config
 from imba.training.ema import make_ema
@@ -42,7 +43,8 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksum
     ema.copy_to(transformer.parameters())
     export_dir = Path(export_dir or default_export_dir(checkpoint))
     scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
-    export_pipeline(build_pipeline(transformer, scheduler=scheduler, **encoders.pipeline_parts()), export_dir)
+    export_pipeline(build_pipeline(transformer, scheduler=scheduler, pipeline=pipeline_kind(cfg),
+                                   **encoders.pipeline_parts()), export_dir)
     step = load_ema_state(checkpoint)["optimization_step"]
     write_model_card(export_dir, cfg, step, grid=checkpoint.parent.parent / "samples" / f"step_{step:07d}.png")
     return export_dir

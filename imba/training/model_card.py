@@ -8,6 +8,7 @@ loss and objective settings, optimiser) and shows the run's last sample grid, co
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from imba.training.config import Config
 CARD_FILE = "README.md"
 OBJECTIVES = {"flow": "rectified flow (velocity prediction)", "ddpm": "DDPM ε-prediction"}
 GRID_FILE = "samples.png"
+DEFAULT_PIPELINE = "PixArtAlphaPipeline"
 
 
 def _hub_id(spec: str | None) -> str | None:
@@ -46,8 +48,18 @@ def _loss_line(cfg: Config) -> str:
             f"{loss.reference}, normalisation {loss.normalize}, estimator {loss.estimator}")
 
 
-def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: bool = False) -> str:
-    """The card's text for a model trained with `cfg` for `step` optimizer steps on `processes` processes."""
+def _pipeline_class(folder: Path) -> str:
+    """The pipeline class the export folder's model_index.json names (what its users load it with)."""
+    try:
+        return json.loads((folder / "model_index.json").read_text())["_class_name"]
+    except (OSError, ValueError, KeyError):  # a card written apart from its export
+        return DEFAULT_PIPELINE
+
+
+def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: bool = False,
+               pipeline: str = DEFAULT_PIPELINE) -> str:
+    """The card's text for a model trained with `cfg` for `step` optimizer steps on `processes` processes, loaded
+    with the diffusers class `pipeline`."""
     base = _hub_id(cfg.model.pretrained)
     header = {
         "library_name": "diffusers",
@@ -77,10 +89,11 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
     lines = ["---", yaml.safe_dump(header, sort_keys=False, allow_unicode=True).strip(), "---", "",
              "# PixArt-style text-to-image DiT (IMBA-DiT)", "",
              "A stock diffusers pipeline folder: it loads without any code from the training project.", "",
-             "```python", "from diffusers import PixArtAlphaPipeline", "",
-             'pipe = PixArtAlphaPipeline.from_pretrained("<this folder or its Hub id>")',
+             "```python", f"from diffusers import {pipeline}", "",
+             f'pipe = {pipeline}.from_pretrained("<this folder or its Hub id>")',
              f'image = pipe("{cfg.sample.prompts[0]}", height={cfg.data.resolution}, width={cfg.data.resolution}, '
-             f"use_resolution_binning=False).images[0]", "```", "", "## Training", "",
+             f"max_sequence_length={cfg.model.max_text_tokens}, use_resolution_binning=False).images[0]", "```", "",
+             "## Training", "",
              "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     if has_grid:
         lines += ["## Samples", "", f"The run's last grid (EMA weights, guidance {cfg.sample.guidance_scale:g}, "
@@ -97,5 +110,5 @@ def write_model_card(folder: Path, cfg: Config, step: int, processes: int | None
     if has_grid:
         shutil.copyfile(grid, folder / GRID_FILE)
     path = folder / CARD_FILE
-    path.write_text(model_card(cfg, step, processes, has_grid), encoding="utf-8")
+    path.write_text(model_card(cfg, step, processes, has_grid, _pipeline_class(folder)), encoding="utf-8")
     return path

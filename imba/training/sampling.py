@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from imba.training.build import load_encoders
+from imba.training.build import load_encoders, pipeline_kind
 from imba.training.config import Config
 from imba.training.ema import ema_weights_copy
 from models.encoders import FrozenEncoders
@@ -24,11 +24,14 @@ class GridSampler:
                  accelerator=None) -> None:
         self.cfg, self.objective, self.device, self.is_main, self.encoders = cfg, objective, device, is_main, encoders
         self.accelerator = accelerator  # its trackers get each grid
+        self.pipeline = pipeline_kind(cfg)  # the export's pipeline class: the grids show what its users will get
 
     def pipeline_parts(self) -> dict:
-        """What a diffusers pipeline needs besides the transformer: the sampling scheduler and the frozen parts."""
+        """What `build_pipeline` needs besides the transformer: the sampling scheduler, the frozen parts and the
+        pipeline kind."""
         self.encoders = self.encoders or load_encoders(self.cfg, self.device)
-        return dict(scheduler=self.objective.sampling_scheduler(), **self.encoders.pipeline_parts())
+        return dict(scheduler=self.objective.sampling_scheduler(), pipeline=self.pipeline,
+                    **self.encoders.pipeline_parts())
 
     def save(self, model: torch.nn.Module, ema, step: int) -> torch.nn.Module | None:
         """The grid of `step` from the EMA of `model`'s weights; returns the EMA copy on the main process (None
