@@ -95,7 +95,7 @@ class PrecomputeSettings:
     """
 
     resolution: int
-    vae: str = "tiny"
+    vae: str = "shapes"
     vae_subfolder: str = ""
     text_encoder: str = "tiny"
     text_encoder_subfolder: str = ""
@@ -391,7 +391,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("shards", nargs="+", help="input shards: brace pattern, glob, folder or files")
     p.add_argument("out_dir", help="output folder (the same shard names; precompute.json when complete)")
     p.add_argument("--resolution", type=int, required=True, help="data.resolution of the training config")
-    p.add_argument("--vae", default="tiny", help="model.vae: hub id, local folder or 'tiny'")
+    p.add_argument("--vae", default="shapes", help="model.vae: hub id, local folder, 'shapes' or 'tiny'")
     p.add_argument("--vae-subfolder", default="", help="model.vae_subfolder")
     p.add_argument("--text-encoder", default="tiny", help="model.text_encoder: hub id, local folder or 'tiny'")
     p.add_argument("--text-encoder-subfolder", default="", help="model.text_encoder_subfolder")

@@ -1,17 +1,23 @@
 """Frozen image autoencoder (SD-VAE) that maps pixels in [-1, 1] to scaled latents and back.
 
 Real runs load the SD VAE (4 latent channels, 8× downsampling, scaling factor 0.18215) from a hub id or a local
-folder, e.g. `stabilityai/sd-vae-ft-ema`. `"tiny"` builds a small random `AutoencoderKL` with the same latent
-layout (4 channels, 8× downsampling) from a fixed seed: no download, for tests and the CPU default run.
+folder, e.g. `stabilityai/sd-vae-ft-ema`. Two small ones with the same latent layout (4 channels, 8× downsampling)
+need no download: `"shapes"`, trained on the synthetic shapes and shipped with the code (`models/shapes_vae.py`),
+the CPU default run's VAE, whose decoder shows what the DiT learned; and `"tiny"`, random from a fixed seed, for
+tests that only need the plumbing.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL
 
 TINY = "tiny"
 TINY_SEED = 4321
+SHAPES = "shapes"
+SHAPES_DIR = Path(__file__).resolve().parent / "shapes_vae"  # a diffusers folder: config.json + safetensors
 SD_SCALING_FACTOR = 0.18215
 
 
@@ -27,9 +33,11 @@ def _tiny_vae() -> AutoencoderKL:
 
 
 def load_vae(spec: str, subfolder: str = "", dtype: torch.dtype = torch.float32) -> AutoencoderKL:
-    """A frozen AutoencoderKL in eval mode from "tiny", a hub id or a local path."""
+    """A frozen AutoencoderKL in eval mode from "shapes", "tiny", a hub id or a local path."""
     if spec == TINY:
         vae = _tiny_vae() if dtype == torch.float32 else _tiny_vae().to(dtype)
+    elif spec == SHAPES:
+        vae = AutoencoderKL.from_pretrained(SHAPES_DIR, torch_dtype=dtype)
     else:
         try:
             vae = AutoencoderKL.from_pretrained(spec, subfolder=subfolder or None, torch_dtype=dtype)

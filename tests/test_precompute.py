@@ -42,7 +42,7 @@ from shard_helpers import encode, write_tar
 REPO = Path(__file__).resolve().parents[1]
 RES = 32
 TOKENS = 24
-SETTINGS = PrecomputeSettings(resolution=RES, max_text_tokens=TOKENS)
+SETTINGS = PrecomputeSettings(resolution=RES, max_text_tokens=TOKENS, vae="tiny")  # the encoders below
 LONG_CAPTION = "a caption much longer than twenty-four byte tokens, so the tokenizer truncates it"
 GOOD = 29  # 25 synthetic + 4 good mixed samples
 
@@ -221,7 +221,7 @@ def test_sample_latents_draws_what_encode_images_draws(encoders):
 
 def test_bfloat16_text_states(inputs, encoders, tmp_path):
     _, text = encoders
-    settings = PrecomputeSettings(resolution=RES, max_text_tokens=TOKENS, text_dtype="bfloat16")
+    settings = PrecomputeSettings(resolution=RES, max_text_tokens=TOKENS, vae="tiny", text_dtype="bfloat16")
     precompute_shards(inputs[-1], tmp_path, settings, batch_size=3)
     t5 = np.load(io.BytesIO(members(tmp_path / names(inputs)[-1])["000000020.t5.npy"]), allow_pickle=False)
     assert t5.dtype == np.uint16  # bfloat16 bit patterns
@@ -293,7 +293,7 @@ def test_two_ranks_write_disjoint_shards_whose_union_is_complete(inputs, referen
 def test_other_settings_and_missing_manifests_are_refused(reference, inputs, tmp_path):
     out, _ = reference
     with pytest.raises(ValueError, match="holds features precomputed with other settings.*resolution 32 there vs 64"):
-        precompute_shards(inputs, out, PrecomputeSettings(resolution=64, max_text_tokens=TOKENS))
+        precompute_shards(inputs, out, PrecomputeSettings(resolution=64, max_text_tokens=TOKENS, vae="tiny"))
     manifest = load_manifest(out)
     with pytest.raises(ValueError, match="resolution=64 wanted, 32 precomputed; max_text_tokens=120 wanted"):
         check_manifest(manifest, resolution=64, max_text_tokens=120, vae="tiny")
@@ -366,7 +366,7 @@ def assert_same_features(folder, reference_folder) -> None:
 def test_command_line_and_reader_needs_no_encoders(inputs, reference, tmp_path, capsys):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "data.precompute", os.path.dirname(inputs[0]), str(out), "--resolution", str(RES),
-           "--max-text-tokens", str(TOKENS), "--batch-size", "4", "--num-workers", "2"]
+           "--max-text-tokens", str(TOKENS), "--vae", "tiny", "--batch-size", "4", "--num-workers", "2"]
     proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0/1: wrote 5 shards (29 samples; skipped 2 bad" in proc.stdout
@@ -409,7 +409,7 @@ def test_accelerate_launch_splits_shards_over_two_processes(inputs, reference, t
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
            "--dynamo_backend", "no", "-m", "data.precompute", *inputs, str(out), "--resolution", str(RES),
-           "--max-text-tokens", str(TOKENS), "--batch-size", "4", "--num-workers", "0"]
+           "--max-text-tokens", str(TOKENS), "--vae", "tiny", "--batch-size", "4", "--num-workers", "0"]
     env = {**run_env(), "ACCELERATE_USE_CPU": "true"}  # the CPU form that really starts 2 processes
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])

@@ -82,8 +82,9 @@ def test_the_shares_of_two_ranks_give_the_one_rank_result(precomputed):
 
     cfg = load_config([f"data.val_shards={precomputed}", f"data.resolution={RES}",
                        f"model.max_text_tokens={TOKENS}", "data.val_samples=7", "data.batch_size=3"])
-    manifest = find_manifest(str(precomputed), resolution=RES, max_text_tokens=TOKENS, vae="tiny", vae_subfolder="",
-                             text_encoder="tiny", text_encoder_subfolder="", tokenizer_subfolder="")
+    manifest = find_manifest(str(precomputed), resolution=RES, max_text_tokens=TOKENS, vae=cfg.model.vae,
+                             vae_subfolder="", text_encoder=cfg.model.text_encoder, text_encoder_subfolder="",
+                             tokenizer_subfolder="")
     features = PrecomputedFeatures(manifest, "cpu")
     torch.manual_seed(0)
     dit = build_transformer("tiny", sample_size=RES // 8, caption_channels=features.caption_channels)

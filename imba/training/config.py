@@ -48,7 +48,9 @@ class ModelConfig:
     text_encoder_subfolder: str = ""  # e.g. "text_encoder" inside a PixArt repository
     tokenizer_subfolder: str = ""  # e.g. "tokenizer" inside a PixArt repository
     max_text_tokens: int = 64  # PixArt-α uses 120, PixArt-Σ 300
-    vae: str = "tiny"  # "tiny", a hub id (stabilityai/sd-vae-ft-ema) or a local folder
+    # "shapes" (the small VAE trained on the synthetic shapes, shipped with the code), "tiny" (random, for tests),
+    # a hub id (stabilityai/sd-vae-ft-ema) or a local folder
+    vae: str = "shapes"
     vae_subfolder: str = ""
     encoder_dtype: str = "float32"  # dtype of the frozen T5 and VAE: float32 | bfloat16 | float16
 
@@ -110,7 +112,7 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.03
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -142,17 +144,17 @@ class SampleConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = "outputs/tiny"
-    max_steps: int = 300  # optimizer steps
+    max_steps: int = 1200  # optimizer steps
     grad_accum: int = 1
     mixed_precision: str = "no"  # no | bf16 | fp16
     seed: int = 0
     log_every: int = 10
-    save_every: int = 100  # checkpoint interval in steps; 0 = only at the end
+    save_every: int = 400  # checkpoint interval in steps; 0 = only at the end
     keep_checkpoints: int = 3
-    sample_every: int = 100  # sample-grid interval in steps; 0 = only at the end
+    sample_every: int = 400  # sample-grid interval in steps; 0 = only at the end
     # validation loss of the EMA weights every N steps (0 = off): fixed samples, noise and timesteps, so curves
     # compare across runs and resumes
-    val_every: int = 100
+    val_every: int = 200
     resume: str = "latest"  # latest (newest checkpoint in output_dir, if any) | none (start fresh) | a step_* folder
     # a step with a non-finite loss or gradient norm is skipped on every rank; after this many in a row the run
     # stops (exit status 3) without saving the diverged weights
