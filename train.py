@@ -3,7 +3,7 @@
     python train.py                                   # tiny CPU default: synthetic shards, random tiny T5/VAE
     python train.py --config configs/tiny.yaml loss.kind=plain train.max_steps=50
     accelerate launch --config_file launch/accelerate/zero2.yaml train.py --config configs/1b_256.yaml
-    python train.py --export outputs/tiny/checkpoints/step_0000200 [EXPORT_DIR]   # any checkpoint → diffusers
+    python train.py --export outputs/tiny/checkpoints/step_0000400 [EXPORT_DIR]   # any checkpoint → diffusers
 
 Reads top to bottom: config → accelerator → frozen encoders, DiT, loss, optimizer → resume → data → loop
 (noise, loss, step, EMA, validation, log, checkpoint, sample grid, pre-emption) → last grid, a diffusers pipeline

@@ -1,6 +1,6 @@
 """Training checkpoint → a stock diffusers pipeline folder holding its EMA weights.
 
-    python train.py --export outputs/tiny/checkpoints/step_0000200 [EXPORT_DIR]
+    python train.py --export outputs/tiny/checkpoints/step_0000400 [EXPORT_DIR]
 
 Works for checkpoints of every mode (single process, DDP, ZeRO-1/2/3: the EMA is saved whole in all of them). The
 folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` (`PixArtSigmaPipeline` for a PixArt-Σ run, see

@@ -1,7 +1,7 @@
 """Sample a prompt file with an exported pipeline or a training checkpoint: images, a manifest and a grid.
 
     python -m imba.training.sample outputs/tiny/export --prompts prompts.txt --out samples/tiny
-    python -m imba.training.sample outputs/tiny/checkpoints/step_0000300 --prompts benchmark.json \\
+    python -m imba.training.sample outputs/tiny/checkpoints/step_0001200 --prompts benchmark.json \\
         --out samples/step300 --guidance-scale 4.5 --steps 20 --images-per-prompt 4 --batch-size 8
 
 MODEL is a diffusers `PixArtAlphaPipeline` folder (what training exports), a training checkpoint folder (exported
