@@ -1,7 +1,7 @@
 """Evaluate a folder of samples written by `python -m imba.training.sample`: VQA success rate or CLIP score.
 
-    python -m imba.eval vqa  --images samples/step300 --model llava-hf/llava-1.5-7b-hf --out eval/vqa.jsonl
-    python -m imba.eval clip --images samples/step300 --model openai/clip-vit-large-patch14 --out eval/clip.jsonl
+    python -m imba.eval vqa  --images samples/step1200 --model llava-hf/llava-1.5-7b-hf --out eval/vqa.jsonl
+    python -m imba.eval clip --images samples/step1200 --model openai/clip-vit-large-patch14 --out eval/clip.jsonl
     python -m imba.eval vqa  --images samples/compbench_color --prompts color_val.txt --model ... --out ...
 
 Reads DIR/manifest.jsonl (one row per image). `--prompts FILE` joins that file's entries onto the rows (by

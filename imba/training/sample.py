@@ -2,7 +2,7 @@
 
     python -m imba.training.sample outputs/tiny/export --prompts prompts.txt --out samples/tiny
     python -m imba.training.sample outputs/tiny/checkpoints/step_0001200 --prompts benchmark.json \\
-        --out samples/step300 --guidance-scale 4.5 --steps 20 --images-per-prompt 4 --batch-size 8
+        --out samples/step1200 --guidance-scale 4.5 --steps 20 --images-per-prompt 4 --batch-size 8
 
 MODEL is a diffusers `PixArtAlphaPipeline` folder (what training exports), a training checkpoint folder (exported
 first, once, into `<run>/export_<step>` next to `<run>/checkpoints`), or a hub id.
