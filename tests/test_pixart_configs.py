@@ -140,6 +140,7 @@ def fine_tune_args(repo, encoders, resolution, out, synthetic, tokens=120):
             "data.batch_size=1", "data.synthetic_samples=2", f"data.synthetic_dir={synthetic / str(resolution)}",
             "data.shuffle_buffer=0", "train.max_steps=1", "train.save_every=0", "train.sample_every=0",
             "train.val_every=0", "train.concept_stats=none", "train.trackers=none", "optim.warmup_steps=0",
+            "optim.lr=2e-5",  # a fine-tuning rate: one AdamW step moves each weight by about this much
             f"sample.steps={STEPS}", f"sample.guidance_scale={GUIDANCE}", f"sample.prompts=[{PROMPTS[0]}]",
             f"train.output_dir={out}"]
 
@@ -178,7 +179,7 @@ def test_a_public_configuration_fine_tunes_samples_and_exports_for_the_stock_pip
     before = load_file(repo / "transformer" / "diffusion_pytorch_model.safetensors")
     after = load_file(export / "transformer" / "diffusion_pytorch_model.safetensors")
     assert before.keys() == after.keys()
-    assert all(torch.allclose(before[k], after[k], atol=1e-3) for k in before)
+    assert all(torch.allclose(before[k], after[k], atol=1e-4) for k in before)
 
     # `train.py --export` of the checkpoint writes the same folder for the same class
     again = export_checkpoint(out / "checkpoints" / "step_0000001", tmp_path / "again")

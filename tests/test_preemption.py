@@ -155,9 +155,11 @@ def test_a_signal_to_one_rank_makes_both_ranks_save_the_same_step_and_exit_75(tm
         proc.kill()
     # both ranks agreed on the step, saved it together and exited 75 (the launcher reports each exit code)
     assert "pre-empted: checkpoint at step" in stdout, stderr[-3000:]
-    # torch elastic's failure table: one "rank : N ... exitcode : 75" record per rank (its log lines say more)
-    exited = re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(\d+)", stderr)
-    assert sorted(exited) == [("0", "75"), ("1", "75")], stderr[-3000:]
+    # torch elastic's failure table has a "rank : N ... exitcode : C" record per failed rank. Once one rank has
+    # exited 75 the agent SIGTERMs the other if it has not exited yet (by then the checkpoint is complete: the save
+    # ends in a barrier); so: 75 from at least one rank, and nothing but 75 or that SIGTERM from any.
+    exited = dict(re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr))
+    assert "75" in exited.values() and set(exited.values()) <= {"75", "-15"}, stderr[-3000:]
     (checkpoint,) = list_checkpoints(out / "checkpoints")
     step = int(checkpoint.name.split("_")[1])
     assert f"checkpoint at step {step} saved" in stdout and logged_steps(out / "metrics.jsonl")[-1] == step
