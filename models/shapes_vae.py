@@ -98,7 +98,8 @@ def train(steps: int = 1800, batch_size: int = 8, pool: int = 3000, lr: float = 
         optimizer.step()
         schedule.step()
         if progress and (step % 100 == 0 or step == steps - 1):
-            print(f"step {step + 1}/{steps}  L1 {loss.item():.4f}  {time.perf_counter() - start:.0f} s", flush=True)
+            print(f"step {step + 1}/{steps}  object-weighted L1 {l1.item():.4f}  {time.perf_counter() - start:.0f} s",
+                  flush=True)
     vae.eval().requires_grad_(False)
     with torch.no_grad():
         latents = torch.cat([vae.encode(images[i:i + 256]).latent_dist.mean for i in range(0, min(pool, 1024), 256)])
