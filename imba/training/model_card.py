@@ -8,13 +8,13 @@ loss and objective settings, optimiser) and shows the run's last sample grid, co
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import yaml
 
 from imba.training.config import Config
+from models.pipeline import PIPELINES, pipeline_kind_of
 
 CARD_FILE = "README.md"
 OBJECTIVES = {"flow": "rectified flow (velocity prediction)", "ddpm": "DDPM ε-prediction"}
@@ -46,14 +46,6 @@ def _loss_line(cfg: Config) -> str:
     level = "token level" if loss.kind == "imba" else "sample level"
     return (f"IMBA ({level}): γ = {loss.gamma:g}, λ = {loss.lam:g}, distance {loss.distance}, reference "
             f"{loss.reference}, normalisation {loss.normalize}, estimator {loss.estimator}")
-
-
-def _pipeline_class(folder: Path) -> str:
-    """The pipeline class the export folder's model_index.json names (what its users load it with)."""
-    try:
-        return json.loads((folder / "model_index.json").read_text())["_class_name"]
-    except (OSError, ValueError, KeyError):  # a card written apart from its export
-        return DEFAULT_PIPELINE
 
 
 def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: bool = False,
@@ -110,5 +102,7 @@ def write_model_card(folder: Path, cfg: Config, step: int, processes: int | None
     if has_grid:
         shutil.copyfile(grid, folder / GRID_FILE)
     path = folder / CARD_FILE
-    path.write_text(model_card(cfg, step, processes, has_grid, _pipeline_class(folder)), encoding="utf-8")
+    # the class the export folder's model_index.json names (α for a card written apart from its export)
+    pipeline = PIPELINES[pipeline_kind_of(str(folder)) or "alpha"].__name__
+    path.write_text(model_card(cfg, step, processes, has_grid, pipeline), encoding="utf-8")
     return path
