@@ -56,6 +56,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 from data.index import load_or_build_index  # noqa: E402
 from data.indexed import make_indexed_loader  # noqa: E402
@@ -63,9 +64,13 @@ from data.precompute import PrecomputeSettings, precompute_shards  # noqa: E402
 from data.precomputed import load_manifest, make_precomputed_loader  # noqa: E402
 from data.urls import expand_urls  # noqa: E402
 from data.synthetic import write_synthetic_shards  # noqa: E402
+from data.text_states import TEXT_DTYPES  # noqa: E402
+from real_size_features import state_errors, write_feature_set  # noqa: E402
 
 DEFAULTS = dict(samples=2000, samples_per_shard=250, resolution=256, batch_size=32, num_workers=[0, 2], repeats=5)
 SMOKE = dict(samples=32, samples_per_shard=16, resolution=32, batch_size=4, num_workers=[0, 1], repeats=2)
+REAL_DEFAULTS = dict(resolutions=[256, 512], text_dtypes=["float16", "int8"], max_text_tokens=120, samples=1000)
+REAL_SMOKE = dict(resolutions=[32], text_dtypes=["float16", "int8"], max_text_tokens=16)
 DEFAULT_CACHE = REPO / "outputs" / "loader_throughput"
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]")  # the sample key: member name up to the first dot of its basename
 
@@ -163,16 +168,28 @@ def warm_batches(num_workers: int) -> int:
     return max(1, 2 * num_workers)  # fills the DataLoader's prefetch queue (prefetch_factor 2 per worker)
 
 
-def time_loader(make: Callable[[int], Any], num_workers: int, batches: int, batch_size: int) -> tuple[int, float]:
-    """(samples, seconds) for `batches` batches of a fresh loader, after its warm-up batches."""
+def touch(batch: dict[str, Any]) -> None:
+    """Read one byte of every page of the batch's tensors, as the training step's copy to the device would: a
+    batch from a worker arrives as shared memory that this process has not mapped in yet."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.numel():
+            value.contiguous().view(-1).view(torch.uint8)[::4096].sum()
+
+
+def time_loader(make: Callable[[int], Any], num_workers: int, batches: int, batch_size: int,
+                before: Callable[[], None] = lambda: None) -> tuple[int, float]:
+    """(samples, seconds) for `batches` batches of a fresh loader, after its warm-up batches; `before` runs
+    first (untimed), e.g. to evict the shards from the page cache."""
+    before()
     loader = make(num_workers)
     it = iter(loader)
     for _ in range(warm_batches(num_workers)):
-        next(it)
+        touch(next(it))
     samples = 0
     start = time.perf_counter()
     for _ in range(batches):
         batch = next(it)
+        touch(batch)
         samples += len(batch["keys"])
     seconds = time.perf_counter() - start
     if samples != batches * batch_size:
@@ -186,12 +203,14 @@ def time_loader(make: Callable[[int], Any], num_workers: int, batches: int, batc
 
 @dataclass
 class Reader:
-    name: str  # key in the results, e.g. "precomputed_loader_w2"
+    name: str  # key in the results, e.g. "precomputed_loader_w2", or "256px-int8/cold/precomputed_loader_w2"
     label: str  # row label
     data: str  # "precomputed" or "image"
     kind: str  # "raw" or "loader"
     workers: int | None
     run: Callable[[], tuple[int, float]]
+    group: str = ""  # the shard set (real-size mode: "256px-float16", ...)
+    cache: str = "warm"  # "warm" or "cold" (the set's pages evicted before each run)
     rates: list[float] = field(default_factory=list)
     samples: int = 0
 
@@ -200,8 +219,10 @@ class Reader:
         return statistics.median(self.rates)
 
 
-def build_readers(args, data: dict[str, Any]) -> tuple[list[Reader], dict[str, Any]]:
-    """The readers to time and a description of the two shard sets (sizes, counts); runs the warm-up."""
+def build_readers(args, data: dict[str, Any], group: str = "",
+                  caches: Sequence[str] = ("warm",)) -> tuple[list[Reader], dict[str, Any]]:
+    """The readers to time, for each page-cache state in `caches`, and a description of the two shard sets
+    (sizes, counts); runs the warm-up."""
     manifest = data["manifest"]
     sets = {"precomputed": sorted(expand_urls(data["precomputed"]))}
     if data["images"]:
@@ -223,8 +244,9 @@ def build_readers(args, data: dict[str, Any]) -> tuple[list[Reader], dict[str, A
         return make_indexed_loader(data["images"], manifest["resolution"], args.batch_size, num_workers=workers,
                                    caption_field=manifest["caption_field"], min_size=manifest.get("min_size", 0))
 
-    def raw(paths: list[str]) -> Callable[[], tuple[int, float]]:
+    def raw(paths: list[str], before: Callable[[], None]) -> Callable[[], tuple[int, float]]:
         def run() -> tuple[int, float]:
+            before()
             start = time.perf_counter()
             samples = read_tar_members(paths)[0]
             return samples, time.perf_counter() - start
@@ -239,18 +261,37 @@ def build_readers(args, data: dict[str, Any]) -> tuple[list[Reader], dict[str, A
         info[name]["timed_batches"] = batches
         info[name]["timed_samples_per_loader_run"] = batches * args.batch_size
 
-    readers = [Reader("raw_tar_precomputed", "raw tar read", "precomputed", "raw", None, raw(sets["precomputed"]))]
-    for w in args.num_workers:
-        readers.append(Reader(f"precomputed_loader_w{w}", "precomputed loader", "precomputed", "loader", w,
-                              lambda w=w: time_loader(make_precomputed, w, info["precomputed"]["timed_batches"],
-                                                      args.batch_size)))
-    if "image" in sets:
-        readers.append(Reader("raw_tar_image", "raw tar read", "image", "raw", None, raw(sets["image"])))
-        for w in args.num_workers:
-            readers.append(Reader(f"image_loader_w{w}", "image loader (decode + resize)", "image", "loader", w,
-                                  lambda w=w: time_loader(make_image, w, info["image"]["timed_batches"],
-                                                          args.batch_size)))
+    readers = []
+    prefix = f"{group}/" if group else ""
+    for cache in caches:
+        where = prefix + ("" if cache == "warm" else "cold/")
+        for data_name, label, make in (("precomputed", "precomputed loader", make_precomputed),
+                                       ("image", "image loader (decode + resize)", make_image)):
+            if data_name not in sets:
+                continue
+            paths = sets[data_name]
+            before = (lambda paths=paths: evict(paths)) if cache == "cold" else (lambda: None)
+            readers.append(Reader(f"{where}raw_tar_{data_name}", "raw tar read", data_name, "raw", None,
+                                  raw(paths, before), group, cache))
+            for w in args.num_workers:
+                readers.append(Reader(
+                    f"{where}{data_name}_loader_w{w}", label, data_name, "loader", w,
+                    lambda w=w, make=make, data_name=data_name, before=before: time_loader(
+                        make, w, info[data_name]["timed_batches"], args.batch_size, before),
+                    group, cache))
     return readers, info
+
+
+def evict(paths: Sequence[str]) -> None:
+    """Drop the files' pages from the page cache (POSIX_FADV_DONTNEED: clean pages of these files only; no
+    privileges needed), so that the next read comes from the storage device."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def measure(readers: list[Reader], repeats: int) -> None:
@@ -265,39 +306,49 @@ def measure(readers: list[Reader], repeats: int) -> None:
               flush=True)
 
 
-def summarise(readers: list[Reader], info: dict[str, Any]) -> dict[str, Any]:
-    """Per-reader medians and the ratios, as stored in the JSON (unrounded)."""
+def _prefix(r: Reader) -> str:
+    return (f"{r.group}/" if r.group else "") + ("" if r.cache == "warm" else "cold/")
+
+
+def summarise(readers: list[Reader], infos: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per-reader medians and the ratios, as stored in the JSON (unrounded); `infos[group]` describes the shard
+    sets of each group. Ratios are keyed by "[group/][cold/]workers"."""
     by_name = {r.name: r for r in readers}
     results = []
     ratios: dict[str, dict[str, float]] = {"precomputed_vs_raw": {}, "image_vs_raw": {}, "precomputed_vs_image": {}}
     for r in readers:
-        raw = by_name[f"raw_tar_{r.data}"]
-        row = {"name": r.name, "reader": r.label, "data": r.data, "kind": r.kind, "workers": r.workers,
-               "samples_per_run": r.samples, "samples_per_s": r.rates, "median_samples_per_s": r.median,
-               "median_mb_per_s": r.median * info[r.data]["bytes_per_sample"] / 1e6,
+        prefix = _prefix(r)
+        raw = by_name[f"{prefix}raw_tar_{r.data}"]
+        info = infos[r.group][r.data]
+        row = {"name": r.name, "group": r.group, "cache": r.cache, "reader": r.label, "data": r.data,
+               "kind": r.kind, "workers": r.workers, "samples_per_run": r.samples, "samples_per_s": r.rates,
+               "median_samples_per_s": r.median, "median_mb_per_s": r.median * info["bytes_per_sample"] / 1e6,
                "ratio_to_raw": r.median / raw.median}
         if r.kind == "loader":
+            row["mb_per_s_per_worker"] = row["median_mb_per_s"] / max(1, r.workers)
             key = "precomputed_vs_raw" if r.data == "precomputed" else "image_vs_raw"
-            ratios[key][str(r.workers)] = row["ratio_to_raw"]
-            if r.data == "precomputed" and f"image_loader_w{r.workers}" in by_name:
-                speedup = r.median / by_name[f"image_loader_w{r.workers}"].median
+            ratios[key][f"{prefix}{r.workers}"] = row["ratio_to_raw"]
+            image = by_name.get(f"{prefix}image_loader_w{r.workers}")
+            if r.data == "precomputed" and image is not None:
+                speedup = r.median / image.median
                 row["speedup_over_image_loader"] = speedup
-                ratios["precomputed_vs_image"][str(r.workers)] = speedup
+                ratios["precomputed_vs_image"][f"{prefix}{r.workers}"] = speedup
         results.append(row)
     return {"results": results, "ratios": ratios}
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    print("\n| reader | data | workers | samples/s (median) | min–max | MB/s | ratio to its raw tar read | "
-          "precomputed ÷ image |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| set | cache | reader | data | workers | samples/s (median) | min–max | MB/s | ratio to its raw tar "
+          "read | precomputed ÷ image |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in summary["results"]:
         workers = "—" if row["workers"] is None else str(row["workers"])
         speedup = row.get("speedup_over_image_loader")
-        print(f"| {row['reader']} | {row['data']} | {workers} | {row['median_samples_per_s']:,.0f} | "
-              f"{min(row['samples_per_s']):,.0f}–{max(row['samples_per_s']):,.0f} | {row['median_mb_per_s']:,.1f} | "
-              f"{row['ratio_to_raw']:.3f}× | {'—' if speedup is None else f'{speedup:.2f}×'} |")
-    print("\n(MB/s = samples/s × shard file bytes per sample of that set; warm page cache.)")
+        print(f"| {row['group'] or 'default'} | {row['cache']} | {row['reader']} | {row['data']} | {workers} | "
+              f"{row['median_samples_per_s']:,.0f} | {min(row['samples_per_s']):,.0f}–{max(row['samples_per_s']):,.0f}"
+              f" | {row['median_mb_per_s']:,.1f} | {row['ratio_to_raw']:.3f}× | "
+              f"{'—' if speedup is None else f'{speedup:.2f}×'} |")
+    print("\n(MB/s = samples/s × shard file bytes per sample of that set.)")
     for key, what in (("precomputed_vs_raw", "precomputed loader ÷ raw tar read of the precomputed shards"),
                       ("image_vs_raw", "image loader ÷ raw tar read of the image shards"),
                       ("precomputed_vs_image", "precomputed loader ÷ image loader (speed-up)")):
@@ -326,12 +377,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                f"{DEFAULTS['repeats']})")
     p.add_argument("--batches", type=int, default=None, help="timed batches per loader run (default: the rest of "
                                                              "one epoch after the warm-up batches)")
+    p.add_argument("--real-size", action="store_true",
+                   help="measure precomputed shards at the real model's sizes instead (SD-VAE latents, T5-XXL states "
+                        "of --max-text-tokens tokens, random values: bench/real_size_features.py), one set per "
+                        "--resolutions x --text-dtypes")
+    p.add_argument("--resolutions", type=int, nargs="+", help="real-size mode: image sides (default 256 512)")
+    p.add_argument("--text-dtypes", nargs="+", choices=TEXT_DTYPES,
+                   help="real-size mode: storage of the T5 states (default float16 int8)")
+    p.add_argument("--max-text-tokens", type=int, help="real-size mode: caption length limit (default 120, "
+                                                       "PixArt-alpha's)")
+    p.add_argument("--cold", action="store_true",
+                   help="also time every reader on a cold page cache (the set's pages evicted before each run)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny fast run: " + ", ".join(f"{k}={v}" for k, v in
                                                                                       SMOKE.items()))
     args = p.parse_args(argv)
     args.resolution_given = args.resolution is not None
-    for key, value in (SMOKE if args.smoke else DEFAULTS).items():
+    if args.real_size and (args.shards or args.precomputed):
+        p.error("--real-size writes its own shards: drop --shards / --precomputed")
+    defaults = dict(SMOKE if args.smoke else DEFAULTS)
+    real = REAL_SMOKE if args.smoke else REAL_DEFAULTS
+    defaults.update({k: v for k, v in real.items() if args.real_size or k != "samples"})
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if (args.samples < 1 or args.samples_per_shard < 1 or args.resolution < 8 or args.batch_size < 1
@@ -364,37 +431,80 @@ def _shown(path: str) -> str:
         return path
 
 
+def real_size_sets(args) -> dict[str, dict[str, Any]]:
+    """{group: data} for each (resolution, text dtype) of the real-size mode, written into the cache once."""
+    cache = Path(args.cache_dir).expanduser().resolve()
+    groups = {}
+    for resolution in args.resolutions:
+        for text_dtype in args.text_dtypes:
+            folder = cache / (f"real-size-{resolution}px-{text_dtype}-{args.samples}-{args.samples_per_shard}-"
+                              f"{args.max_text_tokens}tok")
+            start = time.perf_counter()
+            manifest = write_feature_set(folder, samples=args.samples, samples_per_shard=args.samples_per_shard,
+                                         resolution=resolution, text_dtype=text_dtype,
+                                         max_text_tokens=args.max_text_tokens)
+            print(f"real-size features {resolution} px, {text_dtype}: {folder} ({time.perf_counter() - start:.1f} s)",
+                  flush=True)
+            groups[f"{resolution}px-{text_dtype}"] = {"images": None, "precomputed": str(folder), "manifest": manifest}
+    return groups
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    data = prepare_data(args)
-    readers, info = build_readers(args, data)
+    groups = real_size_sets(args) if args.real_size else {"": prepare_data(args)}
+    caches = ("warm", "cold") if args.cold else ("warm",)
+    readers, infos = [], {}
+    for group, data in groups.items():
+        group_readers, infos[group] = build_readers(args, data, group, caches)
+        readers += group_readers
     env = environment()
-    manifest = data["manifest"]
-    print(f"\nprecomputed: {info['precomputed']['indexed_samples']} samples in {info['precomputed']['shards']} shards, "
-          f"{info['precomputed']['bytes_per_sample'] / 1e3:.1f} kB/sample (latent {manifest['latent_shape']}, "
-          f"T5 width {manifest['text_hidden_size']}, {manifest['max_text_tokens']} tokens max)")
-    if "image" in info:
-        print(f"images: {info['image']['indexed_samples']} samples in {info['image']['shards']} shards, "
-              f"{info['image']['bytes_per_sample'] / 1e3:.1f} kB/sample, loaded at {manifest['resolution']} px")
+    for group, data in groups.items():
+        info, manifest = infos[group], data["manifest"]
+        print(f"\n{group or 'precomputed'}: {info['precomputed']['indexed_samples']} samples in "
+              f"{info['precomputed']['shards']} shards, {info['precomputed']['bytes_per_sample'] / 1e3:.1f} kB/sample "
+              f"(latent {manifest['latent_shape']}, T5 width {manifest['text_hidden_size']}, "
+              f"{manifest['max_text_tokens']} tokens max, {manifest['text_dtype']})")
+        if "image" in info:
+            print(f"images: {info['image']['indexed_samples']} samples in {info['image']['shards']} shards, "
+                  f"{info['image']['bytes_per_sample'] / 1e3:.1f} kB/sample, loaded at {manifest['resolution']} px")
+    cache_note = ("WARM page cache (every shard read once before timing) and COLD (the set's pages evicted "
+                  "before each cold run)" if args.cold else "WARM page cache (every shard read once before timing)")
     print(f"batch {args.batch_size}, workers {args.num_workers}, {args.repeats} interleaved rounds; torch "
-          f"{env['torch']}, {env['torch_threads']} threads, {env['cpus_usable']} CPUs; WARM page cache (every shard "
-          f"read once before timing)", flush=True)
+          f"{env['torch']}, {env['torch_threads']} threads, {env['cpus_usable']} CPUs; {cache_note}", flush=True)
     measure(readers, args.repeats)
-    summary = summarise(readers, info)
+    summary = summarise(readers, infos)
     print_table(summary)
+
+    def described(group: str) -> dict[str, Any]:
+        manifest, data = groups[group]["manifest"], groups[group]
+        return {"precomputed_dir": _shown(data["precomputed"]), "resolution": manifest["resolution"],
+                "latent_shape": manifest["latent_shape"], "text_hidden_size": manifest["text_hidden_size"],
+                "max_text_tokens": manifest["max_text_tokens"], "text_dtype": manifest["text_dtype"],
+                **{f"{k}_shards": v for k, v in infos[group].items()}}
+
     result = {
         "benchmark": "loader_throughput",
-        "warm_cache": True,
+        "warm_cache": not args.cold,
+        "caches": list(caches),
         "settings": {"batch_size": args.batch_size, "num_workers": args.num_workers, "repeats": args.repeats,
-                     "batches": args.batches, "smoke": args.smoke, "resolution": manifest["resolution"],
+                     "batches": args.batches, "smoke": args.smoke, "real_size": args.real_size,
                      "samples": args.samples if not (args.shards or args.precomputed) else None},
-        "data": {"precomputed_dir": _shown(data["precomputed"]), "latent_shape": manifest["latent_shape"],
-                 "text_hidden_size": manifest["text_hidden_size"], "max_text_tokens": manifest["max_text_tokens"],
-                 "text_dtype": manifest["text_dtype"], **{f"{k}_shards": v for k, v in info.items()}},
+        "data": described("") if not args.real_size else {g: described(g) for g in groups},
         "environment": env,
         **summary,
     }
+    if args.real_size:
+        result["settings"].update(resolutions=args.resolutions, text_dtypes=args.text_dtypes,
+                                  max_text_tokens=args.max_text_tokens)
+        result["text_state_errors"] = {dtype: state_errors(dtype) for dtype in TEXT_DTYPES}
+        print("\nstorage of real-shaped T5 states (bench/real_size_features.py: 4,096 random tokens):")
+        for dtype, err in result["text_state_errors"].items():
+            print(f"  {dtype}: {err['bytes_per_token']:,.0f} bytes/token, relative RMS error "
+                  f"{err['relative_rms_error']:.2e}, largest error {err['max_error_over_token_absmax']:.2e} of the "
+                  f"token's largest |value|")
+    else:
+        result["settings"]["resolution"] = groups[""]["manifest"]["resolution"]
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

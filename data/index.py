@@ -21,7 +21,6 @@ on the next run).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -35,7 +34,7 @@ from PIL import Image
 from .files import atomic_write, read_json_object, write_json
 from .images import IMAGE_EXTENSIONS
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD
-from .tars import split_key_ext
+from .tars import split_key_ext, walk_tar_buffer
 from .urls import expand_urls, is_remote
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "load_or_build_index", "parse_sample"]
@@ -127,21 +126,20 @@ def _scan_tar(path: str) -> tuple[np.ndarray, str | None]:
     return np.asarray(kept, dtype=np.int64).reshape(-1, 4), error
 
 
-def parse_sample(blob: bytes) -> dict[str, Any]:
-    """{ext: bytes, "__key__": key} from the bytes of one sample's members (a tar fragment)."""
+def parse_sample(blob: bytes | bytearray | memoryview, copy: bool = True) -> dict[str, Any]:
+    """{ext: data, "__key__": key} from the bytes of one sample's members (a tar fragment). The data are bytes,
+    or with `copy=False` memoryviews into `blob` (valid while `blob` is not reused)."""
     sample: dict[str, Any] = {}
-    blob += bytes(-len(blob) % 512)  # the last member's padding: tarfile checks that it is there
-    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tf:
-        for info in tf:
-            key_ext = _member_key_ext(info)
-            if key_ext is None:
-                continue
-            key, ext = key_ext
-            if sample.setdefault("__key__", key) != key:
-                raise ValueError(f"span holds two keys ({sample['__key__']}, {key}): the shard changed, rebuild")
-            if ext in sample:
-                raise ValueError(f"duplicate member {info.name}")
-            sample[ext] = tf.extractfile(info).read()
+    for name, data in walk_tar_buffer(memoryview(blob)):
+        key_ext = split_key_ext(name)
+        if key_ext is None:
+            continue
+        key, ext = key_ext
+        if sample.setdefault("__key__", key) != key:
+            raise ValueError(f"span holds two keys ({sample['__key__']}, {key}): the shard changed, rebuild")
+        if ext in sample:
+            raise ValueError(f"duplicate member {name}")
+        sample[ext] = bytes(data) if copy else data
     if "__key__" not in sample:
         raise ValueError("no sample members at the indexed offset: the shard changed, rebuild the index")
     return sample

@@ -27,7 +27,7 @@ import errno
 import logging
 import os
 from stat import S_ISREG
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -164,6 +164,10 @@ class IndexedShards(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.get(i)
 
+    def get_batch(self, indices: Sequence[int], size: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The collated batch of samples `indices` (each substituted like `get`), pixels of `size`."""
+        return collate_samples([self.get(i, size) for i in indices])
+
     def get(self, i: int, size: tuple[int, int] | None = None) -> dict[str, Any]:
         """Sample i (or its substitute) with pixels of `size` = (height, width), default the square resolution."""
         n = len(self)
@@ -202,11 +206,8 @@ class IndexedShards(torch.utils.data.Dataset):
 class _BatchFetch(torch.utils.data.Dataset):
     """dataset[list of indices] -> one collated batch, with the bad-sample counts met while making it."""
 
-    def __init__(
-        self, dataset: IndexedShards, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] = collate_samples
-    ):
+    def __init__(self, dataset: IndexedShards):
         self.dataset = dataset
-        self.collate = collate
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -215,7 +216,7 @@ class _BatchFetch(torch.utils.data.Dataset):
         stats = self.dataset.stats
         before, before_shards = dict(stats.bad), dict(stats.shards_bad)
         size = getattr(indices, "size", None)  # a BucketBatch: decode to its bucket's (height, width)
-        batch = self.collate([self.dataset.get(i, size) for i in indices])
+        batch = self.dataset.get_batch(indices, size)
         batch["_bad"] = counts_since(stats.bad, before)
         batch["_shards_bad"] = counts_since(stats.shards_bad, before_shards)
         return batch
@@ -235,7 +236,6 @@ class IndexedLoader:
 
     def __init__(
         self, dataset: IndexedShards, sampler: IndexedBatchSampler | BucketBatchSampler, num_workers: int = 0,
-        collate: Callable[[list[dict[str, Any]]], dict[str, Any]] = collate_samples,
     ):
         self.dataset = dataset
         self.sampler = sampler
@@ -245,7 +245,7 @@ class IndexedLoader:
         # problems found when indexing (counted by the dataset at construction) + what the workers report
         self.stats = ReaderStats(where=dataset.stats.where, shards_bad=dict(dataset.stats.shards_bad))
         self._loader = torch.utils.data.DataLoader(
-            _BatchFetch(dataset, collate),
+            _BatchFetch(dataset),
             sampler=sampler,
             batch_size=None,  # the sampler yields whole batches; a map-style loader keeps their order
             collate_fn=_identity,

@@ -39,34 +39,33 @@ import torch
 from PIL import Image
 
 from .decode import DecodeSamples
-from .files import atomic_write, read_json_object, write_json
+from .files import read_json_object
 from .images import IMAGE_EXTENSIONS
 from .precompute_output import (
     ShardOutput,
     check_existing,
     is_complete,
     plan_outputs,
-    record_path,
     remove_leftovers,
     write_manifest,
+    write_null_text,
+    write_record,
 )
 from .precomputed import (
-    FORMAT_KIND,
-    FORMAT_VERSION,
     LATENT_MEMBER,
     MANIFEST_NAME,
     NULL_TEXT_NAME,
-    TEXT_DTYPES,
     TEXT_MEMBER,
+    TEXT_SCALE_MEMBER,
     load_manifest,
     npy_bytes,
-    text_to_numpy,
 )
 from .skips import ReaderStats, counts_since, warn_rate_limited
 from .streaming import ReadShards
+from .text_states import TEXT_DTYPES, encode_states, states_from_numpy
 from .urls import expand_urls
 
-__all__ = ["NONFINITE", "PrecomputeSettings", "precompute_shards", "write_manifest", "main"]
+__all__ = ["NONFINITE", "PrecomputeSettings", "feature_members", "precompute_shards", "write_manifest", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ class PrecomputeSettings:
             raise ValueError(f"need resolution >= 1, max_text_tokens >= 1, min_size >= 0 (got {self.resolution}, "
                              f"{self.max_text_tokens}, {self.min_size})")
         if self.text_dtype not in TEXT_DTYPES:
-            raise ValueError(f"text_dtype must be one of {sorted(TEXT_DTYPES)} (got {self.text_dtype!r})")
+            raise ValueError(f"text_dtype must be one of {list(TEXT_DTYPES)} (got {self.text_dtype!r})")
         encoder_dtypes = _encoder_dtypes()
         if self.encoder_dtype not in encoder_dtypes:
             raise ValueError(f"encoder_dtype must be one of {sorted(encoder_dtypes)} (got {self.encoder_dtype!r})")
@@ -244,17 +243,31 @@ def _identity(item: Any) -> Any:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def feature_members(key: str, moments: torch.Tensor, text: torch.Tensor, caption: str, meta: dict[str, Any],
+                    text_dtype: str) -> dict[str, Any] | None:
+    """The tar members of one precomputed sample, for `wds.TarWriter`: posterior moments (2, C, h, w) and T5
+    states of the valid tokens (n, D), stored as the format says; None when either is not finite once stored."""
+    latent = moments.to(torch.float16)
+    values, scale = encode_states(text, text_dtype)
+    if not (torch.isfinite(latent).all() and torch.isfinite(states_from_numpy(values, scale, text_dtype)).all()):
+        return None
+    members = {
+        "__key__": key,
+        LATENT_MEMBER: npy_bytes(latent.numpy()),
+        TEXT_MEMBER: npy_bytes(values),
+        "txt": caption.encode("utf-8"),
+        "json": json.dumps(meta, sort_keys=True).encode("utf-8"),
+    }
+    if scale is not None:
+        members[TEXT_SCALE_MEMBER] = npy_bytes(scale)
+    return members
+
+
 def _write_batch(out: ShardOutput, encoders: _Encoders, samples: list[dict[str, Any]], source: str) -> None:
     settings = encoders.settings
     pixels = torch.stack([s["pixels"] for s in samples])
     moments, texts = encoders.encode(pixels, [s["caption"] for s in samples])
     for sample, moment, text in zip(samples, moments, texts):
-        latent = moment.to(torch.float16)
-        stored_text = text_to_numpy(text, settings.text_dtype)
-        if not (torch.isfinite(latent).all() and torch.isfinite(text.to(TEXT_DTYPES[settings.text_dtype])).all()):
-            out.bad[NONFINITE] += 1
-            warn_rate_limited(out.bad[NONFINITE], f"skipping {source}:{sample['key']}: {NONFINITE}")
-            continue
         meta = dict(sample["json"])
         meta["precompute"] = {
             "source": os.path.basename(source),
@@ -262,21 +275,19 @@ def _write_batch(out: ShardOutput, encoders: _Encoders, samples: list[dict[str, 
             "resolution": settings.resolution,
             "text_tokens": int(text.shape[0]),
         }
-        out.writer.write({
-            "__key__": sample["key"],
-            LATENT_MEMBER: npy_bytes(latent.numpy()),
-            TEXT_MEMBER: npy_bytes(stored_text),
-            "txt": sample["caption"].encode("utf-8"),
-            "json": json.dumps(meta, sort_keys=True).encode("utf-8"),
-        })
+        members = feature_members(sample["key"], moment, text, sample["caption"], meta, settings.text_dtype)
+        if members is None:
+            out.bad[NONFINITE] += 1
+            warn_rate_limited(out.bad[NONFINITE], f"skipping {source}:{sample['key']}: {NONFINITE}")
+            continue
+        out.writer.write(members)
         out.samples += 1
 
 
 def _write_null_text(out_dir: str, encoders: _Encoders) -> None:
     """The empty caption's T5 state, as TextConditioner computes its null embedding (rewritten by rank 0 whenever it
     has the encoders loaded, so it always follows the settings the shard records were checked against)."""
-    null = encoders.encode_text([""])[0]
-    atomic_write(os.path.join(out_dir, NULL_TEXT_NAME), npy_bytes(text_to_numpy(null, encoders.settings.text_dtype)))
+    write_null_text(out_dir, encoders.encode_text([""])[0], encoders.settings.text_dtype)
 
 
 def precompute_shards(
@@ -356,12 +367,8 @@ def _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, re
             nbytes = out.commit()
             del outputs[job]
             shard_bad = collections.Counter(payload["bad"]) + out.bad
-            record = {
-                "__kind__": FORMAT_KIND, "version": FORMAT_VERSION, "settings": settings.as_dict(),
-                "info": encoders.info, "name": name, "source": url, "samples": out.samples,
-                "bad": dict(sorted(shard_bad.items())), "shards_bad": payload["shards_bad"], "bytes": nbytes,
-            }
-            write_json(record_path(out_dir, name), record)
+            write_record(out_dir, name, url, settings, encoders.info, out.samples, shard_bad, payload["shards_bad"],
+                         nbytes)
             bad.update(shard_bad)
             report["written"].append(name)
             report["samples"] += out.samples
@@ -399,8 +406,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-dtype", default="float32", choices=sorted(_encoder_dtypes()),
                    help="model.encoder_dtype: dtype the VAE and T5 run in")
     p.add_argument("--max-text-tokens", type=int, default=64, help="model.max_text_tokens")
-    p.add_argument("--text-dtype", "--dtype", default="float16", choices=sorted(TEXT_DTYPES),
-                   help="storage dtype of the T5 states (latent moments are always float16)")
+    p.add_argument("--text-dtype", "--dtype", default="float16", choices=TEXT_DTYPES,
+                   help="storage of the T5 states: float16, bfloat16, or int8 with a per-token scale (half the "
+                        "bytes; data.text_states); latent moments are always float16")
     p.add_argument("--caption-field", default="caption", help="data.caption_field")
     p.add_argument("--min-size", type=int, default=0, help="data.min_size: skip smaller images (pixels)")
     p.add_argument("--batch-size", type=int, default=32, help="images per encoder call")

@@ -21,8 +21,17 @@ import numpy as np
 import webdataset as wds
 
 from .files import read_json_object, write_json
-from .precomputed import FORMAT_KIND, FORMAT_VERSION, MANIFEST_NAME, NULL_TEXT_NAME
-from .urls import expand_urls
+from .files import atomic_write
+from .precomputed import (
+    FORMAT_KIND,
+    MANIFEST_NAME,
+    NULL_TEXT_NAME,
+    READABLE_VERSIONS,
+    format_version,
+    npy_bytes,
+    null_text_dtype,
+)
+from .text_states import encode_states
 
 if TYPE_CHECKING:  # data.precompute imports this module
     from .precompute import PrecomputeSettings
@@ -32,6 +41,8 @@ __all__ = [
     "plan_outputs",
     "record_path",
     "read_record",
+    "write_record",
+    "write_null_text",
     "is_complete",
     "remove_leftovers",
     "check_existing",
@@ -61,9 +72,27 @@ def record_path(out_dir: str, name: str) -> str:
 def read_record(out_dir: str, name: str) -> dict | None:
     """The record of output shard `name`; None when missing, unreadable or of another format version."""
     record = read_json_object(record_path(out_dir, name))
-    if record is None or record.get("__kind__") != FORMAT_KIND or record.get("version") != FORMAT_VERSION:
+    if record is None or record.get("__kind__") != FORMAT_KIND or record.get("version") not in READABLE_VERSIONS:
         return None
     return record
+
+
+def write_record(out_dir: str, name: str, source: str, settings: PrecomputeSettings, info: dict[str, Any],
+                 samples: int, bad: dict[str, int], shards_bad: dict[str, int], nbytes: int) -> None:
+    """The record that marks output shard `name` (committed, `nbytes` long) complete; `info` holds the latent and
+    text shapes (latent_channels, latent_size, vae_downsample, vae_scaling_factor, vae_shift_factor,
+    text_hidden_size)."""
+    write_json(record_path(out_dir, name), {
+        "__kind__": FORMAT_KIND, "version": format_version(settings.text_dtype), "settings": settings.as_dict(),
+        "info": info, "name": name, "source": source, "samples": samples, "bad": dict(sorted(bad.items())),
+        "shards_bad": shards_bad, "bytes": nbytes,
+    })
+
+
+def write_null_text(out_dir: str, states: Any, text_dtype: str) -> None:
+    """`null_text.npy`: the empty caption's T5 states (n, D), stored as `null_text_dtype(text_dtype)`."""
+    values, _ = encode_states(states, null_text_dtype(text_dtype))
+    atomic_write(os.path.join(out_dir, NULL_TEXT_NAME), npy_bytes(values))
 
 
 def is_complete(out_dir: str, name: str, settings: PrecomputeSettings) -> bool:
@@ -151,17 +180,15 @@ class ShardOutput:
             os.remove(self.tmp)
 
 
-def write_manifest(
-    out_dir: str | os.PathLike, urls: str | Sequence[str], settings: PrecomputeSettings
-) -> str | None:
-    """Write `out_dir/precompute.json` if every shard of `urls` is complete and the null text exists.
+def write_manifest(out_dir: str | os.PathLike, urls: Sequence[str], settings: PrecomputeSettings) -> str | None:
+    """Write `out_dir/precompute.json` if the output shard of every input shard in `urls` (expanded URLs, in
+    order: what `expand_urls` gives) is complete and the null text exists.
 
     Returns the manifest path, or None when some shard is not complete yet. `data.precompute.precompute_shards` calls it
     at its end; safe to call from several processes at once (identical atomic writes).
     """
     out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
-    urls = expand_urls(urls)
-    plan = plan_outputs(urls, out_dir)
+    plan = plan_outputs(list(urls), out_dir)
     if not os.path.isfile(os.path.join(out_dir, NULL_TEXT_NAME)):
         return None
     records = []
@@ -181,7 +208,7 @@ def write_manifest(
         shards_bad.update(r["shards_bad"])
     manifest = {
         "__kind__": FORMAT_KIND,
-        "version": FORMAT_VERSION,
+        "version": format_version(settings.text_dtype),
         "settings": settings.as_dict(),
         **settings.as_dict(),
         **info,

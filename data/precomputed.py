@@ -10,57 +10,78 @@ Format (per sample; every array is a plain `.npy`, readable with `np.load(..., a
   [-30, 20] as diffusers does), unscaled. `sample_latents` draws mean + exp(logvar / 2)·ε and multiplies by the
   VAE scaling factor, exactly as `models.vae.encode_images` samples the posterior (no shift factor).
 - `KEY.t5.npy`: the T5 last hidden state of the valid tokens only, (n, D) with n = the caption's token count
-  (<= max_text_tokens, truncated like training). float16, or, with `--text-dtype bfloat16`, uint16 holding the
-  bfloat16 bit patterns (numpy has no bfloat16; the uint16 dtype is the marker). The mask is implied: the
-  tokenizer pads on the right, so the first n tokens are valid; the reader restores (max_text_tokens, D) with
-  zeros at padded positions (the DiT masks them out of cross-attention, so their values never matter).
+  (<= max_text_tokens, truncated like training), in the manifest's `text_dtype` (`data.text_states`): float16,
+  bfloat16 (as uint16 bit patterns), or int8 with its per-token float32 scale in `KEY.t5scale.npy` (n,). The
+  mask is implied: the tokenizer pads on the right, so the first n tokens are valid; the reader restores
+  (max_text_tokens, D) with zeros at padded positions (the DiT masks them out of cross-attention, so their values
+  never matter).
 - `KEY.txt`: the caption that was encoded (the reader's caption: `key.txt`, else `json[caption_field]`,
   stripped). `KEY.json`: the original json (if it parsed as an object) plus `"precompute": {"source",
   "image_size": [w, h] of the original image, "resolution", "text_tokens"}`.
 
+Versions: 1 stores float16/bfloat16 states; 2 adds the int8 states, so that a reader that knows only version 1
+refuses them in one line instead of misreading them.
+
 Reading. `make_precomputed_loader` is `data.indexed.make_indexed_loader` over the precomputed shards (the same
 index, the same (seed, epoch)-pure order and `IndexedBatchSampler`, so exact resume from `batches_done` and equal
-batches per rank hold unchanged) yielding {"latent_mean", "latent_logvar": (B, C, h, w) float32, "text_embeds":
-(B, max_text_tokens, D) float32, "text_mask": (B, max_text_tokens) int64, "captions", "keys"}. Reading imports
-neither models/ nor diffusers/transformers; only the writing side loads the encoders (lazily, via models/).
+batches per rank hold unchanged). Its batches carry the stored bytes, packed: float16 latent moments and the valid
+tokens' states in their stored dtype (`PrecomputedShards.get_batch`); `unpack_batch` (which
+`PrecomputedFeatures.encode_batch` calls) widens them to the training dtype and pads them on the training device,
+so the loader workers and the host-to-device copy move a sample's stored size, not its padded float32 size
+(2.7x less for 90 of 120 float16 tokens, 5.3x for int8). Reading imports neither models/ nor
+diffusers/transformers; only the writing side loads the encoders (lazily, via models/).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import io
 import math
+import mmap
 import os
+import re
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from .files import read_json_object
+from .index import parse_sample
 from .indexed import IndexedLoader, IndexedShards, indexed_batch_sampler
 from .order import IndexedBatchSampler
 from .skips import ReaderStats
 from .streaming import check_loader_args
+from .text_states import (
+    SCALED_TEXT_DTYPES,
+    STORED_TORCH_DTYPE,
+    TEXT_DTYPES,
+    check_stored,
+    dequantize,
+    states_from_numpy,
+    stored_tensor,
+)
 from .urls import expand_urls, is_remote
 
 __all__ = [
     "FORMAT_KIND",
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "format_version",
     "MANIFEST_NAME",
     "NULL_TEXT_NAME",
     "LATENT_MEMBER",
     "TEXT_MEMBER",
+    "TEXT_SCALE_MEMBER",
     "TEXT_DTYPES",
     "npy_bytes",
     "load_npy",
-    "text_to_numpy",
-    "text_from_numpy",
+    "null_text_dtype",
     "load_manifest",
     "check_manifest",
     "find_manifest",
     "load_null_text",
     "sample_latents",
+    "unpack_batch",
     "PrecomputedFeatures",
     "PrecomputedShards",
     "PrecomputedLoader",
@@ -68,13 +89,26 @@ __all__ = [
 ]
 
 FORMAT_KIND = "imba-dit precomputed features"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # float16 / bfloat16 T5 states
+COMPACT_FORMAT_VERSION = 2  # adds int8 states with a per-token scale member
+READABLE_VERSIONS = (FORMAT_VERSION, COMPACT_FORMAT_VERSION)
 MANIFEST_NAME = "precompute.json"
 NULL_TEXT_NAME = "null_text.npy"
 LATENT_MEMBER = "latent.npy"
 TEXT_MEMBER = "t5.npy"
+TEXT_SCALE_MEMBER = "t5scale.npy"
 BAD_PRECOMPUTED = "bad precomputed sample"
-TEXT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def format_version(text_dtype: str) -> int:
+    """The format version that stores T5 states as `text_dtype` (the oldest one that can)."""
+    return COMPACT_FORMAT_VERSION if text_dtype in SCALED_TEXT_DTYPES else FORMAT_VERSION
+
+
+def null_text_dtype(text_dtype: str) -> str:
+    """How `null_text.npy` is stored: like the samples' states, except that quantised states keep the one null
+    caption in float16 (it has no scale member, and is used in every unconditional row)."""
+    return "float16" if text_dtype in SCALED_TEXT_DTYPES else text_dtype
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -89,24 +123,36 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def load_npy(data: bytes) -> np.ndarray:
+def load_npy(data: bytes | memoryview, copy: bool = True) -> np.ndarray:
     """`np.load(..., allow_pickle=False)` of one member, with its header parsed once per distinct header: the
     members of a set share a few dozen headers (one latent shape, one per caption length), and parsing them with
-    `np.load` took ~140 of the ~170 µs a sample's two arrays cost. Writable, like np.load's (a copy of `data`)."""
+    `np.load` took ~140 of the ~170 µs a sample's two arrays cost. Writable, like np.load's (a copy of `data`);
+    `copy=False` returns a view of `data` instead (writable when `data` is)."""
+    data = memoryview(data)
     size_bytes = {1: 2, 2: 4}.get(data[6]) if len(data) > 10 and data[:6] == b"\x93NUMPY" else None
     if size_bytes is None:  # not a version 1/2 .npy: np.load's checks and message
         return np.load(io.BytesIO(data), allow_pickle=False)
     offset = 8 + size_bytes + int.from_bytes(data[8:8 + size_bytes], "little")
-    shape, fortran_order, dtype = _npy_header(data[:offset])
+    shape, fortran_order, dtype = _npy_header(bytes(data[:offset]))
     count = math.prod(shape)
     if len(data) - offset != count * dtype.itemsize:
         raise ValueError(f".npy member holds {len(data) - offset} data bytes, its header says {shape} {dtype}")
-    flat = np.frombuffer(bytearray(data), dtype=dtype, count=count, offset=offset)
+    flat = np.frombuffer(bytearray(data) if copy else data, dtype=dtype, count=count, offset=offset)
     return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
+# The header np.save writes for a plain array, e.g. {'descr': '<f2', 'fortran_order': False, 'shape': (90, 4096), }
+_SAVED_HEADER = re.compile(rb"\{'descr': '([<>|=][a-z]\d+)', 'fortran_order': (True|False), 'shape': \(([\d, ]*)\), \}")
 
 
 @functools.lru_cache(maxsize=1024)
 def _npy_header(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
+    # numpy's own parser (ast.literal_eval over the header) costs ~1 ms a header: a fresh loader worker meets one
+    # header per caption length; np.save's fixed layout is read directly, anything else by numpy
+    match = _SAVED_HEADER.search(header)
+    if match is not None:
+        shape = tuple(int(n) for n in match.group(3).replace(b" ", b"").split(b",") if n)
+        return shape, match.group(2) == b"True", np.dtype(match.group(1).decode())
     fp = io.BytesIO(header)
     version = np.lib.format.read_magic(fp)
     read = np.lib.format.read_array_header_1_0 if version[0] == 1 else np.lib.format.read_array_header_2_0
@@ -114,24 +160,6 @@ def _npy_header(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
     if dtype.hasobject:
         raise ValueError(".npy member holds Python objects; only plain arrays are read (no pickle)")
     return shape, fortran_order, dtype
-
-
-def text_to_numpy(states: torch.Tensor, text_dtype: str) -> np.ndarray:
-    """T5 states as stored: float16, or uint16 bit patterns of bfloat16 (numpy has no bfloat16)."""
-    if text_dtype == "float16":
-        return states.detach().to("cpu", torch.float16).numpy()
-    if text_dtype == "bfloat16":
-        return states.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    raise ValueError(f"text_dtype must be one of {sorted(TEXT_DTYPES)} (got {text_dtype!r})")
-
-
-def text_from_numpy(arr: np.ndarray) -> torch.Tensor:
-    """float32 tensor from a stored T5 array (float16, or uint16 = bfloat16 bits)."""
-    if arr.dtype == np.uint16:
-        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16).float()
-    if arr.dtype == np.float16:
-        return torch.from_numpy(np.ascontiguousarray(arr)).float()
-    raise ValueError(f"stored T5 states must be float16 or uint16 (bfloat16 bits), got {arr.dtype}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,9 +187,13 @@ def load_manifest(where: str | os.PathLike | Sequence[str]) -> dict[str, Any]:
             f"no precompute manifest at {path}: the folder is not precomputed, or its precompute did not finish "
             f"(run `python -m data.precompute IN_SHARDS {os.path.dirname(path)} ...` again: it completes it)"
         )
-    if manifest.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path} is precompute format version {manifest.get('version')}, this code reads "
-                         f"{FORMAT_VERSION}: precompute again")
+    version, text_dtype = manifest.get("version"), manifest.get("text_dtype")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"{path} is precompute format version {version}, this code reads versions "
+                         f"{list(READABLE_VERSIONS)}: precompute again, or read it with the code that wrote it")
+    if text_dtype not in TEXT_DTYPES or format_version(text_dtype) != version:
+        raise ValueError(f"{path}: format version {version} does not store text_dtype {text_dtype!r} (this code "
+                         f"reads {list(TEXT_DTYPES)}): the manifest is damaged or from other code; precompute again")
     manifest["__path__"] = os.path.abspath(path)
     return manifest
 
@@ -211,7 +243,9 @@ def load_null_text(manifest: dict[str, Any] | str | os.PathLike) -> tuple[torch.
     if not isinstance(manifest, dict):
         manifest = load_manifest(manifest)
     path = os.path.join(os.path.dirname(manifest["__path__"]), manifest["null_text"])
-    embeds, mask = _pad_text(text_from_numpy(np.load(path, allow_pickle=False)), manifest["max_text_tokens"])
+    stored = np.load(path, allow_pickle=False)
+    states = states_from_numpy(stored, None, null_text_dtype(manifest["text_dtype"]))
+    embeds, mask = _pad_text(states, manifest["max_text_tokens"])
     return embeds[None], mask[None]
 
 
@@ -235,6 +269,24 @@ def sample_latents(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def unpack_batch(batch: dict[str, Any], manifest: dict[str, Any], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A loader batch in the model's layout, on `device`: {"latent_mean", "latent_logvar": (B, C, h, w),
+    "text_embeds": (B, max_text_tokens, D) with zeros at padded tokens, of `dtype`; "text_mask": (B,
+    max_text_tokens) int64}. The stored bytes cross to the device as they are; widening, the int8 scales and the
+    padding are applied there."""
+    moments = batch["latent_moments"].to(device).to(dtype)
+    lengths = batch["text_lengths"].to(device)
+    scale = batch.get("text_scale")
+    states = dequantize(batch["text_states"].to(device), None if scale is None else scale.to(device), dtype)
+    positions = torch.arange(manifest["max_text_tokens"], device=lengths.device)
+    mask = positions[None, :] < lengths[:, None]
+    embeds = states.new_zeros(len(lengths), manifest["max_text_tokens"], manifest["text_hidden_size"])
+    embeds[mask] = states  # row-major order: sample b's n_b tokens, then sample b + 1's, as packed
+    return {"latent_mean": moments[:, 0], "latent_logvar": moments[:, 1], "text_embeds": embeds,
+            "text_mask": mask.long()}
+
+
 class PrecomputedFeatures:
     """Training inputs from precomputed shards, with the interface of `models.encoders.FrozenEncoders`
     (latent_channels, caption_channels, vae_scale, encode_batch(batch, device), null_like(n)): no VAE or T5 loaded."""
@@ -248,49 +300,64 @@ class PrecomputedFeatures:
         self.null_embeds, self.null_mask = embeds.to(device), mask.to(device)
 
     def encode_batch(self, batch: dict[str, Any], device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        latents = sample_latents(batch["latent_mean"].to(device), batch["latent_logvar"].to(device),
-                                 self.manifest["vae_scaling_factor"])
-        return latents, (batch["text_embeds"].to(device), batch["text_mask"].to(device))
+        """(latents drawn from the stored posterior, (T5 states, mask)) in float32 on `device`."""
+        inputs = unpack_batch(batch, self.manifest, device)
+        latents = sample_latents(inputs["latent_mean"], inputs["latent_logvar"], self.manifest["vae_scaling_factor"])
+        return latents, (inputs["text_embeds"], inputs["text_mask"])
 
     def null_like(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.null_embeds.expand(batch_size, -1, -1), self.null_mask.expand(batch_size, -1)
 
 
-@dataclasses.dataclass
-class _DecodePrecomputed:
-    """Raw precomputed sample -> tensors; bad ones are counted (reason "bad precomputed sample") and dropped."""
+def _new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    # In a DataLoader worker, allocated in shared memory from the start (as torch's own default_collate does):
+    # the batch then reaches the main process by handle; an ordinary tensor would be copied into shared memory.
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
-    manifest: dict[str, Any]
-    stats: ReaderStats
+
+def _page_aligned(size: int) -> memoryview:
+    # Reading into page-aligned memory: on the machines measured, `preadv` into a buffer at an address 8 or 16
+    # bytes past a 64-byte boundary (where bytearray data starts) ran 3-4x slower.
+    return memoryview(mmap.mmap(-1, max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)))
+
+
+class _DecodePrecomputed:
+    """Raw precomputed samples -> {"latent": (2, C, h, w) float16 array, "text": (n, D) and "scale": (n,) or None
+    as stored, "caption", "key"}, checked against the manifest (arrays are views of the raw members); bad ones
+    are counted (reason "bad precomputed sample") and dropped."""
+
+    def __init__(self, manifest: dict[str, Any], stats: ReaderStats):
+        self.manifest = manifest
+        self.stats = stats
 
     def _parse(self, raw: dict[str, Any]) -> dict[str, Any]:
         m = self.manifest
         for member in (LATENT_MEMBER, TEXT_MEMBER, "txt"):
             if raw.get(member) is None:
                 raise ValueError(f"no {member} member")
-        latent = load_npy(raw[LATENT_MEMBER])
+        latent = load_npy(raw[LATENT_MEMBER], copy=False)
         if latent.dtype != np.float16 or list(latent.shape) != m["latent_shape"]:
             raise ValueError(f"latent is {latent.dtype} {latent.shape}, expected float16 {tuple(m['latent_shape'])}")
-        text = load_npy(raw[TEXT_MEMBER])
-        if text.ndim != 2 or not 1 <= text.shape[0] <= m["max_text_tokens"] or text.shape[1] != m["text_hidden_size"]:
+        text = load_npy(raw[TEXT_MEMBER], copy=False)
+        scale = raw.get(TEXT_SCALE_MEMBER)
+        scale = None if scale is None else load_npy(scale, copy=False)
+        check_stored(text, scale, m["text_dtype"])
+        if not 1 <= text.shape[0] <= m["max_text_tokens"] or text.shape[1] != m["text_hidden_size"]:
             raise ValueError(f"T5 states of shape {text.shape}, expected (1..{m['max_text_tokens']}, "
                              f"{m['text_hidden_size']})")
-        latent_t = torch.from_numpy(latent).float()
-        embeds, mask = _pad_text(text_from_numpy(text), m["max_text_tokens"])
-        return {
-            "latent_mean": latent_t[0],
-            "latent_logvar": latent_t[1],
-            "text_embeds": embeds,
-            "text_mask": mask,
-            "caption": raw["txt"].decode("utf-8"),
-            "key": raw["__key__"],
-        }
+        if scale is not None and not np.isfinite(scale).all():
+            raise ValueError("non-finite int8 scales")
+        return {"latent": latent, "text": text, "scale": scale, "caption": bytes(raw["txt"]).decode("utf-8"),
+                "key": raw["__key__"]}
 
     def __call__(self, src: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         for raw in src:
             try:
                 sample = self._parse(raw)
-            except Exception as exn:  # missing member, corrupt array, wrong shape
+            except Exception as exn:  # missing member, corrupt array, wrong shape or dtype
                 where = f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}"
                 self.stats.count(BAD_PRECOMPUTED, f"skipping {where}: {BAD_PRECOMPUTED} {exn!r}")
                 self.stats.failed(f"{BAD_PRECOMPUTED} at {where}")
@@ -301,9 +368,17 @@ class _DecodePrecomputed:
 
 
 class PrecomputedShards(IndexedShards):
-    """`ds[i]` -> {"latent_mean", "latent_logvar": (C, h, w) float32, "text_embeds": (L, D) float32 zero-padded,
-    "text_mask": (L,) int64, "caption", "key"}: `IndexedShards` (index, random access, bad-sample substitution
-    and counting) with the precomputed members decoded instead of images."""
+    """Random access to precomputed samples: `IndexedShards` (index, bad-sample substitution and counting) with
+    the precomputed members decoded instead of images.
+
+    `ds[i]` -> {"latent_mean", "latent_logvar": (C, h, w), "text_embeds": (L, D) zero-padded float32,
+    "text_mask": (L,) int64, "caption", "key"}. `ds.get_batch(indices)` -> a loader batch with the stored bytes
+    packed, not decoded: {"latent_moments": (B, 2, C, h, w) float16, "text_states": (T, D) in the stored dtype
+    (float16, bfloat16 or int8) holding the valid tokens of the B samples one after the other, "text_scale": (T,)
+    float32 (int8 only), "text_lengths": (B,) int64, "captions", "keys"}; `unpack_batch` widens and pads it on
+    the training device. Each sample is read with one `preadv` into a page-aligned buffer kept per batch row, its
+    members are parsed in place, and its arrays are copied once, into the batch (in shared memory in a worker).
+    """
 
     def __init__(
         self,
@@ -313,28 +388,87 @@ class PrecomputedShards(IndexedShards):
     ):
         manifest = manifest if manifest is not None else load_manifest(urls)
         super().__init__(urls, manifest["resolution"], caption_field=manifest["caption_field"], index_dir=index_dir)
-        # the image decoder of IndexedShards is replaced: raw precomputed members -> tensors
+        # the image decoder of IndexedShards is replaced: raw precomputed members -> checked arrays
         self.manifest = manifest
         self.decode = _DecodePrecomputed(manifest, self.stats)
+        self._buffers: list[memoryview] = []  # one read buffer per batch row, reused from batch to batch
+        self._row = 0
+        self._largest: int | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_buffers"] = []
+        return state
 
-def _collate_precomputed(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    batch = {k: torch.stack([s[k] for s in samples]) for k in ("latent_mean", "latent_logvar", "text_embeds",
-                                                               "text_mask")}
-    batch["captions"] = [s["caption"] for s in samples]
-    batch["keys"] = [s["key"] for s in samples]
-    return batch
+    def raw(self, i: int) -> dict[str, Any]:
+        """The members of sample i, as memoryviews into a buffer that the next read into the same row reuses."""
+        shard, start, end = self.index.locate(i)
+        size = end - start
+        while len(self._buffers) <= self._row:  # sized once for the largest sample: never reallocated
+            self._buffers.append(_page_aligned(self._largest_span()))
+        if len(self._buffers[self._row]) < size:  # the shard changed since indexing; raised below
+            self._buffers[self._row] = _page_aligned(size)
+        view = self._buffers[self._row][:size]
+        got = os.preadv(self._fd(shard), [view], start)
+        if got != size:
+            raise OSError(f"short read ({got} of {size} bytes): the shard changed, rebuild the index")
+        sample = parse_sample(view, copy=False)
+        sample["__url__"] = self.index.urls[shard]
+        sample["__index__"] = i
+        return sample
+
+    def _largest_span(self) -> int:
+        if self._largest is None:
+            spans = self.index.spans
+            self._largest = int((spans[:, 1] - spans[:, 0]).max()) if len(spans) else 0
+        return self._largest
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        sample = self.get(i)
+        m = self.manifest
+        moments = torch.from_numpy(sample["latent"]).float()
+        embeds, mask = _pad_text(states_from_numpy(sample["text"], sample["scale"], m["text_dtype"]),
+                                 m["max_text_tokens"])
+        return {"latent_mean": moments[0], "latent_logvar": moments[1], "text_embeds": embeds, "text_mask": mask,
+                "caption": sample["caption"], "key": sample["key"]}
+
+    def get_batch(self, indices: Sequence[int], size: tuple[int, int] | None = None) -> dict[str, Any]:
+        samples = []
+        try:
+            for row, i in enumerate(indices):
+                self._row = row
+                samples.append(self.get(i))
+        finally:
+            self._row = 0
+        m = self.manifest
+        lengths = [s["text"].shape[0] for s in samples]
+        latent = _new_tensor((len(samples), *m["latent_shape"]), torch.float16)
+        text = _new_tensor((sum(lengths), m["text_hidden_size"]), STORED_TORCH_DTYPE[m["text_dtype"]])
+        scaled = m["text_dtype"] in SCALED_TEXT_DTYPES
+        scale = _new_tensor((sum(lengths),), torch.float32) if scaled else None
+        at = 0
+        for row, (sample, n) in enumerate(zip(samples, lengths)):
+            latent[row].copy_(torch.from_numpy(sample["latent"]))
+            text[at:at + n].copy_(stored_tensor(sample["text"], m["text_dtype"]))
+            if scaled:
+                scale[at:at + n].copy_(torch.from_numpy(sample["scale"]))
+            at += n
+        batch = {"latent_moments": latent, "text_states": text, "text_lengths": torch.tensor(lengths),
+                 "captions": [s["caption"] for s in samples], "keys": [s["key"] for s in samples]}
+        if scaled:
+            batch["text_scale"] = scale
+        return batch
 
 
 class PrecomputedLoader(IndexedLoader):
     """Iterable of precomputed batches (see `make_precomputed_loader`); each `iter()` starts at `start_batch`.
 
-    `IndexedLoader` with the precomputed collate: `stats` sums good/bad samples over workers, `batches_per_epoch`
-    is per rank, `sampler.batch_indices(t)` names batch t's samples; plus `manifest`.
+    `IndexedLoader` over `PrecomputedShards.get_batch`: `stats` sums good/bad samples over workers,
+    `batches_per_epoch` is per rank, `sampler.batch_indices(t)` names batch t's samples; plus `manifest`.
     """
 
     def __init__(self, dataset: PrecomputedShards, sampler: IndexedBatchSampler, num_workers: int = 0):
-        super().__init__(dataset, sampler, num_workers=num_workers, collate=_collate_precomputed)
+        super().__init__(dataset, sampler, num_workers=num_workers)
         self.manifest = dataset.manifest
 
 
@@ -345,8 +479,8 @@ def make_precomputed_loader(
 ) -> PrecomputedLoader:
     """Infinite, exactly resumable loader over precomputed shards (the output folder, or a spec of its shards).
 
-    Batches: {"latent_mean", "latent_logvar": (B, C, h, w) float32, "text_embeds": (B, max_text_tokens, D)
-    float32 (zeros at padded tokens), "text_mask": (B, max_text_tokens) int64, "captions": [str], "keys": [str]}.
+    Batches hold the stored bytes packed (`PrecomputedShards.get_batch`); `unpack_batch(batch, loader.manifest,
+    device)` gives {"latent_mean", "latent_logvar", "text_embeds", "text_mask"} in the model's layout and dtype.
     Order, rank split, `batches_done` resume and `shard_window` are those of `make_indexed_loader` (the same
     `IndexedBatchSampler`). `manifest` defaults to the precompute.json next to the first shard.
     """

@@ -35,6 +35,36 @@ def _octal(field: bytes) -> int:
     return int(text, 8) if text else 0
 
 
+def _check_header(header: bytes, where: int) -> tuple[bytes, int]:
+    """(type flag, data size) of one 512-byte tar header; tarfile.ReadError on a bad checksum."""
+    if _octal(header[148:156]) != sum(header[:148]) + 256 + sum(header[156:]):
+        raise tarfile.ReadError(f"bad tar header checksum at byte {where}")
+    return bytes(header[156:157]), _octal(header[124:136])
+
+
+def _extended_name(kind: bytes, data: bytes | memoryview) -> str | None:
+    """The member name a GNU long-name (L) or pax (x) record gives the next member (None: a pax record without
+    a path, or a global pax header)."""
+    if kind == b"L":
+        return bytes(data).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    if kind == b"x":
+        for record in bytes(data).split(b"\n"):
+            _, _, kv = record.partition(b" ")
+            key, _, value = kv.partition(b"=")
+            if key == b"path":
+                return value.decode("utf-8", "surrogateescape")
+    return None
+
+
+def _header_name(header: bytes) -> str:
+    name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    if header[257:262] == b"ustar":
+        prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        if prefix:
+            name = f"{prefix}/{name}"
+    return name
+
+
 def walk_local_tar(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, bytes | None]]:
     """(name, data or None) of the regular files of an uncompressed local tar, reading only `wanted` members.
 
@@ -52,35 +82,18 @@ def walk_local_tar(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[s
                 raise tarfile.ReadError(f"truncated tar header at byte {f.tell() - len(header)}")
             if header.count(0) == 512:
                 return
-            if _octal(header[148:156]) != sum(header[:148]) + 256 + sum(header[156:]):
-                raise tarfile.ReadError(f"bad tar header checksum at byte {f.tell() - 512}")
-            size = _octal(header[124:136])
+            kind, size = _check_header(header, f.tell() - 512)
             padded = (size + 511) & ~511
             if f.tell() + padded > size_of_file:
                 raise tarfile.ReadError(f"truncated tar member at byte {f.tell()}")
-            kind = header[156:157]
             if kind in (b"L", b"x", b"g"):
-                data = f.read(padded)[:size]
-                if kind == b"L":
-                    long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                elif kind == b"x":
-                    for record in data.split(b"\n"):
-                        _, _, kv = record.partition(b" ")
-                        key, _, value = kv.partition(b"=")
-                        if key == b"path":
-                            long_name = value.decode("utf-8", "surrogateescape")
+                long_name = _extended_name(kind, f.read(padded)[:size]) or long_name
                 continue
-            name = long_name
+            name = long_name or _header_name(header)
             long_name = None
             if kind not in (b"0", b"\0", b"7"):
                 f.seek(padded, 1)
                 continue
-            if name is None:
-                name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                if header[257:262] == b"ustar":
-                    prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                    if prefix:
-                        name = f"{prefix}/{name}"
             if wanted(name):
                 data = f.read(size)
                 f.seek(padded - size, 1)
@@ -88,6 +101,32 @@ def walk_local_tar(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[s
             else:
                 f.seek(padded, 1)
                 yield name, None
+
+
+def walk_tar_buffer(buf: memoryview) -> Iterator[tuple[str, memoryview]]:
+    """(name, data) of the regular files in a tar fragment held in memory, the data as views into `buf` (no
+    copy). The fragment may end right after its last member's data (a sample's indexed span). The same header
+    walk as `walk_local_tar`; tarfile.ReadError on a bad checksum or a member running past the end."""
+    pos, end = 0, len(buf)
+    long_name: str | None = None
+    while pos + 512 <= end:
+        header = bytes(buf[pos:pos + 512])
+        if header.count(0) == 512:
+            return
+        kind, size = _check_header(header, pos)
+        data_at = pos + 512
+        if data_at + size > end:
+            raise tarfile.ReadError(f"truncated tar member at byte {data_at}")
+        pos = data_at + ((size + 511) & ~511)
+        if kind in (b"L", b"x", b"g"):
+            long_name = _extended_name(kind, buf[data_at:data_at + size]) or long_name
+            continue
+        name = long_name or _header_name(header)
+        long_name = None
+        if kind in (b"0", b"\0", b"7"):
+            yield name, buf[data_at:data_at + size]
+    if pos < end:
+        raise tarfile.ReadError(f"truncated tar header at byte {pos}")
 
 
 def walk_tar(url: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, bytes | None]]:

@@ -74,17 +74,47 @@ def test_loader_throughput_smoke_mode_reports_consistent_rates_and_ratios(tmp_pa
             pre["median_samples_per_s"] / img["median_samples_per_s"], rel=1e-12)
 
     lines = out.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("| reader | data | workers |"))
+    header = next(i for i, line in enumerate(lines) if line.startswith("| set | cache | reader | data | workers |"))
     table = lines[header + 2 : header + 8]
-    assert [line.split("|")[1].strip() for line in table] == [
+    assert all(line.split("|")[1:3] == [" default ", " warm "] for line in table)
+    assert [line.split("|")[3].strip() for line in table] == [
         "raw tar read", "precomputed loader", "precomputed loader",
         "raw tar read", "image loader (decode + resize)", "image loader (decode + resize)"]
-    assert all(line.split("|")[7].strip() == "1.000×" for line in (table[0], table[3]))
+    assert all(line.split("|")[9].strip() == "1.000×" for line in (table[0], table[3]))
     assert "WARM page cache" in out
 
     # the .npy decoding comparison runs on the set the loader benchmark wrote
     decode = run("npy_decode.py", "--precomputed", r["data"]["precomputed_dir"], "--rounds", "1", "--batches", "1")
     assert "decode, µs per sample (2 arrays): np.load" in decode and "precomputed loader, 0 workers" in decode
+
+
+@pytest.mark.slow
+def test_loader_throughput_real_size_mode_times_each_set_warm_and_cold(tmp_path):
+    import json
+
+    results = tmp_path / "results.json"
+    run("loader_throughput.py", "--real-size", "--smoke", "--cold", "--cache-dir", str(tmp_path / "cache"),
+        "--out", str(results))
+    r = json.loads(results.read_text())
+    assert r["caches"] == ["warm", "cold"] and r["warm_cache"] is False and r["settings"]["real_size"] is True
+    assert set(r["data"]) == {"32px-float16", "32px-int8"}
+    for group, described in r["data"].items():  # SD-VAE latents and 4,096-wide T5 states, as written
+        assert described["latent_shape"] == [2, 4, 4, 4] and described["text_hidden_size"] == 4096
+        assert described["text_dtype"] == group.split("-")[1]
+        assert described["precomputed_shards"]["indexed_samples"] == 32
+    per_sample = {g: d["precomputed_shards"]["bytes_per_sample"] for g, d in r["data"].items()}
+    assert per_sample["32px-int8"] < 0.6 * per_sample["32px-float16"]
+    rows = {row["name"]: row for row in r["results"]}
+    for group in r["data"]:
+        for prefix in (f"{group}/", f"{group}/cold/"):
+            raw = rows[f"{prefix}raw_tar_precomputed"]
+            for w in (0, 1):
+                loader = rows[f"{prefix}precomputed_loader_w{w}"]
+                assert loader["ratio_to_raw"] == pytest.approx(
+                    loader["median_samples_per_s"] / raw["median_samples_per_s"], rel=1e-12)
+                assert r["ratios"]["precomputed_vs_raw"][f"{prefix}{w}"] == loader["ratio_to_raw"]
+    assert r["text_state_errors"]["float16"]["relative_rms_error"] < 1e-3
+    assert r["text_state_errors"]["int8"]["bytes_per_token"] == 4100
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from data.precomputed import (
     load_null_text,
     make_precomputed_loader,
     sample_latents,
+    unpack_batch,
 )
 from data.synthetic import write_synthetic_shards
 from models.text_encoder import TextConditioner, load_text_encoder
@@ -320,11 +321,20 @@ def test_loader_resumes_exactly_with_equal_batches_per_rank(reference):
     loaders = [make_precomputed_loader(out, rank=r, **args) for r in range(3)]
     assert [ld.batches_per_epoch for ld in loaders] == [GOOD // 6] * 3  # 4 each, the remainder is dropped
     full = [list(itertools.islice(ld, 10)) for ld in loaders]  # crosses two epoch boundaries
+    ds = PrecomputedShards(out)
+    position = {ds[i]["key"]: i for i in range(len(ds))}
     for batch in full[0]:
-        assert set(batch) == {"latent_mean", "latent_logvar", "text_embeds", "text_mask", "captions", "keys"}
-        assert batch["latent_mean"].shape == batch["latent_logvar"].shape == (2, 4, RES // 8, RES // 8)
-        assert batch["text_embeds"].shape == (2, TOKENS, 64) and batch["text_mask"].shape == (2, TOKENS)
-        assert batch["latent_mean"].dtype == batch["text_embeds"].dtype == torch.float32
+        assert set(batch) == {"latent_moments", "text_states", "text_lengths", "captions", "keys"}
+        assert batch["latent_moments"].dtype == batch["text_states"].dtype == torch.float16  # as stored
+        assert batch["text_states"].shape == (int(batch["text_lengths"].sum()), 64)
+        inputs = unpack_batch(batch, loaders[0].manifest)
+        assert inputs["latent_mean"].shape == inputs["latent_logvar"].shape == (2, 4, RES // 8, RES // 8)
+        assert inputs["text_embeds"].shape == (2, TOKENS, 64) and inputs["text_mask"].shape == (2, TOKENS)
+        assert inputs["latent_mean"].dtype == inputs["text_embeds"].dtype == torch.float32
+        for row, key in enumerate(batch["keys"]):  # unpacked on the device = decoded sample by sample
+            alone = ds[position[key]]
+            assert all(torch.equal(inputs[k][row], alone[k])
+                       for k in ("latent_mean", "latent_logvar", "text_embeds", "text_mask"))
     epoch0 = [k for rank in full for b in rank[:4] for k in b["keys"]]
     assert len(epoch0) == len(set(epoch0)) == 24  # ranks are disjoint within an epoch
     for rank in range(3):
@@ -334,7 +344,7 @@ def test_loader_resumes_exactly_with_equal_batches_per_rank(reference):
     resumed = list(itertools.islice(make_precomputed_loader(out, rank=1, batches_done=5, num_workers=2, **args), 3))
     for a, b in zip(full[1][5:], resumed):
         assert a["keys"] == b["keys"] and a["captions"] == b["captions"]
-        assert all(torch.equal(a[k], b[k]) for k in ("latent_mean", "latent_logvar", "text_embeds", "text_mask"))
+        assert all(torch.equal(a[k], b[k]) for k in ("latent_moments", "text_states", "text_lengths"))
     assert loaders[0].stats.good == 20 and loaders[0].stats.bad == {}
 
 
@@ -384,9 +394,10 @@ def test_command_line_and_reader_needs_no_encoders(inputs, reference, tmp_path, 
 
     # training on precomputed shards loads neither the VAE nor T5 (nor the libraries that hold them)
     script = (
-        "import sys; from data.precomputed import make_precomputed_loader, load_null_text, sample_latents\n"
+        "import sys\n"
+        "from data.precomputed import make_precomputed_loader, load_null_text, sample_latents, unpack_batch\n"
         f"loader = make_precomputed_loader({str(out)!r}, batch_size=4)\n"
-        "b = next(iter(loader)); e, m = load_null_text(loader.manifest)\n"
+        "b = unpack_batch(next(iter(loader)), loader.manifest); e, m = load_null_text(loader.manifest)\n"
         "z = sample_latents(b['latent_mean'], b['latent_logvar'], loader.manifest['vae_scaling_factor'])\n"
         "loaded = [n for n in sys.modules if n.split('.')[0] in ('models', 'diffusers', 'transformers')]\n"
         "print('LOADED', loaded, tuple(z.shape))\n"
