@@ -7,25 +7,29 @@
     python bench/loader_throughput.py --smoke                                      # tiny and fast (the test)
 
 Data. By default a deterministic synthetic image set (`data.synthetic`) is written into the cache folder
-(`--cache-dir`, default outputs/loader_throughput/) and precomputed once with the tiny random VAE and T5
+(`--cache-dir`, default outputs/loader_throughput/) and precomputed once with the default encoders (the shipped shapes VAE, the tiny random T5)
 (`data.precompute.precompute_shards`); both are reused by later runs. `--shards SPEC` measures your image shards
-instead (precomputed with the tiny encoders into the cache folder). `--precomputed DIR` uses an existing precompute
+instead (precomputed with those encoders into the cache folder). `--precomputed DIR` uses an existing precompute
 output as is; its image shards are the `source` shards named in its manifest (measured when they exist locally).
-The tiny T5 is 64 wide: with T5-XXL (4096 wide) a precomputed sample holds far more bytes; pass such an output
-with `--precomputed` to measure it.
+The tiny T5 is 64 wide: with T5-XXL (4096 wide) a precomputed sample holds ~30x the bytes. `--real-size` writes
+shards of the real sizes instead (bench/real_size_features.py: SD-VAE latents, T5-XXL-shaped states, random values,
+for each of --resolutions x --text-dtypes), or pass a real precompute output with `--precomputed`.
 
 Readers, each reported as samples per second:
   (a) raw tar read, precomputed shards: every member of every shard read with python's `tarfile` (all bytes, no
       decoding, samples counted by key): the I/O + tar-parsing ceiling of one process;
-  (b) precomputed loader: `make_precomputed_loader` with batches of `--batch-size`, for each `--num-workers`:
-      samples/s to full batch tensors (latent moments, padded T5 states, masks);
+  (b) precomputed loader: `make_precomputed_loader` with batches of `--batch-size`, for each `--num-workers`
+      (worker processes) and each `--threads` (reader threads in this process): samples/s of batches that have
+      reached this process (their stored bytes, packed; every page of each batch touched, as the copy to the
+      device would);
   (c) raw tar read of the image shards, as (a);
   (d) image loader: `make_indexed_loader` (PNG/JPEG decode, resize + centre crop, tensor), as (b).
 Reported: the median over `--repeats` rounds of each, (b)/(a) and (d)/(c) (the fraction of the raw read rate the
 loader reaches), and (b)/(d) (the speed-up of loading precomputed features over loading images), per worker count.
 
-Method. Indexes are built and every shard is read once before timing (warm-up), so all numbers are WARM page
-cache: they measure parsing and decoding, not a cold disk or a network file system. Rounds are interleaved — in
+Method. Indexes are built and every shard is read once before timing (warm-up), so the numbers are WARM page
+cache: they measure parsing and decoding, not a cold disk or a network file system. `--cold` adds every reader
+again with the set's pages evicted from the page cache before each of its runs (POSIX_FADV_DONTNEED). Rounds are interleaved — in
 each round every reader runs once, the order reversed every other round — so machine noise hits all of them alike.
 A loader measurement builds a fresh loader (untimed: index from cache, worker start), draws max(1, 2 × workers)
 batches untimed to fill the prefetch pipeline, then times `--batches` batches (default: the rest of one epoch)
@@ -115,7 +119,7 @@ def prepare_data(args) -> dict[str, Any]:
         images = write_synthetic_shards(folder, num_samples=args.samples, samples_per_shard=args.samples_per_shard,
                                         resolution=args.resolution)
         out = cache / f"{folder.name}-precomputed"
-    print(f"precomputed shards: {out} (tiny VAE + T5, resolution {args.resolution}; computed once)", flush=True)
+    print(f"precomputed shards: {out} (shapes VAE, tiny T5, resolution {args.resolution}; computed once)", flush=True)
     start = time.perf_counter()
     report = precompute_shards(images, out, PrecomputeSettings(resolution=args.resolution), batch_size=32)
     if report["written"]:
@@ -211,6 +215,7 @@ class Reader:
     run: Callable[[], tuple[int, float]]
     group: str = ""  # the shard set (real-size mode: "256px-float16", ...)
     cache: str = "warm"  # "warm" or "cold" (the set's pages evicted before each run)
+    threads: int = 0  # reader threads of the precomputed loader (in the main process; workers is then 0)
     rates: list[float] = field(default_factory=list)
     samples: int = 0
 
@@ -240,6 +245,9 @@ def build_readers(args, data: dict[str, Any], group: str = "",
     def make_precomputed(workers: int):
         return make_precomputed_loader(data["precomputed"], args.batch_size, num_workers=workers, manifest=manifest)
 
+    def make_threaded(threads: int):
+        return make_precomputed_loader(data["precomputed"], args.batch_size, num_threads=threads, manifest=manifest)
+
     def make_image(workers: int):
         return make_indexed_loader(data["images"], manifest["resolution"], args.batch_size, num_workers=workers,
                                    caption_field=manifest["caption_field"], min_size=manifest.get("min_size", 0))
@@ -257,7 +265,7 @@ def build_readers(args, data: dict[str, Any], group: str = "",
         if per_epoch < 1:
             raise ValueError(f"the {name} shards hold {info[name]['indexed_samples']} samples, fewer than one batch "
                              f"of {args.batch_size}: use more samples or a smaller --batch-size")
-        batches = args.batches or max(1, per_epoch - max(warm_batches(w) for w in args.num_workers))
+        batches = args.batches or max(1, per_epoch - max(warm_batches(w) for w in [*args.num_workers, *args.threads]))
         info[name]["timed_batches"] = batches
         info[name]["timed_samples_per_loader_run"] = batches * args.batch_size
 
@@ -279,6 +287,13 @@ def build_readers(args, data: dict[str, Any], group: str = "",
                     lambda w=w, make=make, data_name=data_name, before=before: time_loader(
                         make, w, info[data_name]["timed_batches"], args.batch_size, before),
                     group, cache))
+            if data_name == "precomputed":
+                for t in args.threads:
+                    readers.append(Reader(
+                        f"{where}precomputed_loader_t{t}", f"precomputed loader, {t} reader threads", data_name,
+                        "loader", 0, lambda t=t, before=before: time_loader(
+                            make_threaded, t, info["precomputed"]["timed_batches"], args.batch_size, before),
+                        group, cache, threads=t))
     return readers, info
 
 
@@ -321,15 +336,15 @@ def summarise(readers: list[Reader], infos: dict[str, dict[str, Any]]) -> dict[s
         raw = by_name[f"{prefix}raw_tar_{r.data}"]
         info = infos[r.group][r.data]
         row = {"name": r.name, "group": r.group, "cache": r.cache, "reader": r.label, "data": r.data,
-               "kind": r.kind, "workers": r.workers, "samples_per_run": r.samples, "samples_per_s": r.rates,
+               "kind": r.kind, "workers": r.workers, "threads": r.threads, "samples_per_run": r.samples, "samples_per_s": r.rates,
                "median_samples_per_s": r.median, "median_mb_per_s": r.median * info["bytes_per_sample"] / 1e6,
                "ratio_to_raw": r.median / raw.median}
         if r.kind == "loader":
-            row["mb_per_s_per_worker"] = row["median_mb_per_s"] / max(1, r.workers)
+            row["mb_per_s_per_worker"] = row["median_mb_per_s"] / max(1, r.workers, r.threads)
             key = "precomputed_vs_raw" if r.data == "precomputed" else "image_vs_raw"
-            ratios[key][f"{prefix}{r.workers}"] = row["ratio_to_raw"]
+            ratios[key][f"{prefix}{f't{r.threads}' if r.threads else r.workers}"] = row["ratio_to_raw"]
             image = by_name.get(f"{prefix}image_loader_w{r.workers}")
-            if r.data == "precomputed" and image is not None:
+            if r.data == "precomputed" and image is not None and not r.threads:
                 speedup = r.median / image.median
                 row["speedup_over_image_loader"] = speedup
                 ratios["precomputed_vs_image"][f"{prefix}{r.workers}"] = speedup
@@ -365,7 +380,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", help="image shards (brace pattern, glob, folder); default: a synthetic set")
     p.add_argument("--precomputed", help="an existing precompute output folder (data.precompute); default: "
-                                         "precompute the image shards with the tiny encoders into --cache-dir")
+                                         "precompute the image shards with the default encoders into --cache-dir")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help=f"where data is written (default {DEFAULT_CACHE})")
     p.add_argument("--samples", type=int, help=f"synthetic samples (default {DEFAULTS['samples']})")
     p.add_argument("--samples-per-shard", type=int, help=f"synthetic (default {DEFAULTS['samples_per_shard']})")
@@ -373,6 +388,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help=f"loader batch size (default {DEFAULTS['batch_size']})")
     workers = " ".join(map(str, DEFAULTS["num_workers"]))
     p.add_argument("--num-workers", type=int, nargs="+", help=f"DataLoader worker counts (default {workers})")
+    p.add_argument("--threads", type=int, nargs="*", default=[],
+                   help="also time the precomputed loader with this many reader threads in the main process "
+                        "(data.loader_threads), e.g. --threads 1 2")
     p.add_argument("--repeats", type=int, help=f"interleaved rounds; medians are reported (default "
                                                f"{DEFAULTS['repeats']})")
     p.add_argument("--batches", type=int, default=None, help="timed batches per loader run (default: the rest of "

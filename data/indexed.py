@@ -39,7 +39,7 @@ from .order import BucketBatchSampler, IndexedBatchSampler
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD, ReaderStats, counts_since
 from .streaming import check_loader_args
 
-__all__ = ["IndexedShards", "IndexedLoader", "indexed_batch_sampler", "make_indexed_loader"]
+__all__ = ["IndexedShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "make_indexed_loader"]
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class IndexedShards(torch.utils.data.Dataset):
 # --------------------------------------------------------------------------------------------------------------
 
 
-class _BatchFetch(torch.utils.data.Dataset):
+class BatchFetch(torch.utils.data.Dataset):
     """dataset[list of indices] -> one collated batch, with the bad-sample counts met while making it."""
 
     def __init__(self, dataset: IndexedShards):
@@ -245,7 +245,7 @@ class IndexedLoader:
         # problems found when indexing (counted by the dataset at construction) + what the workers report
         self.stats = ReaderStats(where=dataset.stats.where, shards_bad=dict(dataset.stats.shards_bad))
         self._loader = torch.utils.data.DataLoader(
-            _BatchFetch(dataset),
+            BatchFetch(dataset),
             sampler=sampler,
             batch_size=None,  # the sampler yields whole batches; a map-style loader keeps their order
             collate_fn=_identity,

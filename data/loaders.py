@@ -44,6 +44,7 @@ def build_loader(
     bucket_divisor: int,
     batches_done: int,
     manifest: dict | None = None,
+    loader_threads: int = 0,
     main_process_first: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ):
     """This rank's infinite training loader over `shards` (expanded shard URLs), resuming after `batches_done`.
@@ -52,9 +53,13 @@ def build_loader(
     uninterrupted run would draw next; streaming mode reseeds its stream from `batches_done`. Aspect-ratio buckets
     (`bucketing`, sides divisible by `bucket_divisor`) need local image shards: ValueError otherwise.
     `main_process_first` (a context-manager factory, e.g. `accelerator.main_process_first`) lets the main process
-    scan the tars into the cached index before the other ranks open it.
+    scan the tars into the cached index before the other ranks open it. `loader_threads` > 0 (precomputed features
+    with `num_workers=0` only) makes the batches in threads of this process.
     """
     mode = choose_mode(mode, shards, manifest)
+    if loader_threads and (not manifest or num_workers):
+        raise ValueError(f"data.loader_threads={loader_threads} needs precomputed features and data.num_workers=0"
+                         + ("" if manifest else " (these shards are images)"))
     if bucketing and (manifest or mode == "streaming"):
         raise ValueError("data.bucketing=true needs local image shards (read in indexed mode): "
                          + ("precomputed latents have one fixed size" if manifest else "remote shards are streamed"))
@@ -65,7 +70,7 @@ def build_loader(
             load_or_build_index(shards)  # scanned once, by the main process; the others read the cached index
         if manifest:
             return make_precomputed_loader(shards, batch_size, num_workers, seed, rank, world_size, batches_done,
-                                           manifest=manifest)
+                                           manifest=manifest, num_threads=loader_threads)
         return make_indexed_loader(shards, batches_done=batches_done, bucketing=bucketing,
                                    bucket_divisor=bucket_divisor, **common)
     return make_image_text_loader(shards, batches_done=batches_done, shuffle_buffer=shuffle_buffer, **common)

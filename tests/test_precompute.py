@@ -348,6 +348,38 @@ def test_loader_resumes_exactly_with_equal_batches_per_rank(reference):
     assert loaders[0].stats.good == 20 and loaders[0].stats.bad == {}
 
 
+def test_reader_threads_give_the_same_batches_and_kept_batches_are_never_overwritten(reference):
+    out, _ = reference
+    args = dict(batch_size=3, seed=2, world_size=2, rank=1, batches_done=2)
+    tensors = ("latent_moments", "text_states", "text_lengths")
+    plain = list(itertools.islice(make_precomputed_loader(out, **args), 12))  # 12 > one epoch of 4 batches
+    for threads in (1, 3):
+        loader = make_precomputed_loader(out, num_threads=threads, **args)
+        threaded = list(itertools.islice(loader, 12))  # every batch kept: none may share memory with a later one
+        for a, b in zip(plain, threaded):
+            assert a["keys"] == b["keys"] and a["captions"] == b["captions"]
+            assert all(torch.equal(a[k], b[k]) for k in tensors)
+        assert loader.stats.good == 36 and loader.stats.bad == {}
+    with pytest.raises(ValueError, match="loader threads"):
+        make_precomputed_loader(out, batch_size=2, num_workers=1, num_threads=1)
+
+    # in-process batches reuse the memory of batches that are gone, and only theirs
+    ds = PrecomputedShards(out)
+    kept = ds.get_batch([0, 1, 2])
+    copy = {k: kept[k].clone() for k in tensors}
+    pointers = set()
+    for start in range(3, 27, 3):
+        batch = ds.get_batch([start, start + 1, start + 2])
+        pointers.add(batch["text_states"].data_ptr())
+        del batch
+    assert kept["text_states"].data_ptr() not in pointers and len(pointers) < 8  # regions were recycled
+    assert all(torch.equal(kept[k], copy[k]) for k in tensors)
+    view = kept["text_states"][1:]  # a view alone keeps its region too
+    del kept
+    later = [ds.get_batch([i, i + 1, i + 2]) for i in range(0, 24, 3)]
+    assert torch.equal(view, copy["text_states"][1:]) and len(later) == 8
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the command, in real processes
 # ---------------------------------------------------------------------------------------------------------------

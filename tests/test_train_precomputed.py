@@ -77,6 +77,25 @@ def test_a_config_that_does_not_match_the_features_is_refused(precomputed, tmp_p
         run_main(args(tmp_path / "run", precomputed, "data.resolution=64"))
 
 
+@pytest.mark.slow
+def test_reader_threads_train_exactly_as_the_training_process_reading_alone(precomputed, tmp_path):
+    runs = {}
+    for threads in (0, 2):
+        out = tmp_path / f"threads{threads}"
+        assert run_main(args(out, precomputed, "train.max_steps=3", f"data.loader_threads={threads}")) == 0
+        runs[threads] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert runs[2] == runs[0] and len(runs[0]) == 3
+
+
+def test_reader_threads_are_refused_for_image_shards_and_with_worker_processes(precomputed, tmp_path):
+    with pytest.raises(ConfigError, match="loader_threads=2 needs precomputed features.*these shards are images"):
+        run_main([f"train.output_dir={tmp_path / 'run'}", "data.resolution=32", "data.synthetic_samples=8",
+                  "data.loader_threads=2", "train.max_steps=1", "train.trackers=none"])
+    with pytest.raises(ConfigError, match="loader_threads=1 needs precomputed features and data.num_workers=0"):
+        run_main(args(tmp_path / "run2", precomputed, "data.loader_threads=1", "data.num_workers=1",
+                      "train.max_steps=1"))
+
+
 def test_bucketing_is_refused_on_precomputed_features(precomputed, tmp_path):
     with pytest.raises(ConfigError, match="precomputed latents have one fixed size"):
         run_main(args(tmp_path / "run", precomputed, "data.bucketing=true", "train.max_steps=1"))

@@ -64,6 +64,9 @@ class DataConfig:
     resolution: int = 128  # images are resized and centre-cropped to this square size
     batch_size: int = 8  # per process, per micro-step
     num_workers: int = 0
+    # precomputed features only, with num_workers=0: threads of the training process that make the batches ahead
+    # of the step, in memory recycled from batch to batch (bench/README.md#at-the-real-models-sizes)
+    loader_threads: int = 0
     shuffle_buffer: int = 1000
     caption_field: str = "caption"  # field of key.json used when a sample has no key.txt
     min_size: int = 0  # skip images whose shorter side is below this (pixels; "image too small"); 0 = off
@@ -367,6 +370,7 @@ RANGES = {
     "data.resolution": _AT_LEAST_1,
     "data.batch_size": _AT_LEAST_1,
     "data.num_workers": _Range(0, note="0 = read in the training process"),
+    "data.loader_threads": _Range(0, note="0 = no reader threads"),
     "data.shuffle_buffer": _Range(0, note="0 = no shuffle buffer"),
     "data.min_size": _Range(0, note="0 = no minimum"),
     "data.synthetic_samples": _AT_LEAST_1,

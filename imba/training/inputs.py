@@ -35,7 +35,7 @@ def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batche
                             num_workers=d.num_workers, seed=cfg.train.seed, rank=accelerator.process_index,
                             world_size=accelerator.num_processes, caption_field=d.caption_field, min_size=d.min_size,
                             shuffle_buffer=d.shuffle_buffer, bucketing=d.bucketing, bucket_divisor=bucket_divisor,
-                            batches_done=batches_done, manifest=manifest,
+                            batches_done=batches_done, manifest=manifest, loader_threads=d.loader_threads,
                             main_process_first=accelerator.main_process_first)
     except ValueError as err:  # settings the data cannot serve (e.g. buckets of precomputed latents)
         raise ConfigError(str(err)) from err
