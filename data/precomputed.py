@@ -34,9 +34,9 @@ diffusers/transformers; only the writing side loads the encoders (lazily, via mo
 
 from __future__ import annotations
 
-import functools
 import collections
 import concurrent.futures
+import functools
 import io
 import itertools
 import math
@@ -53,7 +53,7 @@ import torch
 
 from .files import read_json_object
 from .index import parse_sample
-from .indexed import IndexedLoader, IndexedShards, BatchFetch, indexed_batch_sampler
+from .indexed import BatchFetch, IndexedLoader, IndexedShards, indexed_batch_sampler
 from .order import IndexedBatchSampler
 from .skips import ReaderStats
 from .streaming import check_loader_args
