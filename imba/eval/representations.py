@@ -1,0 +1,124 @@
+"""Representation diagnostics on plain tensors: how alike two feature sets are, and whether a linear read-out of a
+concept carries over from seen to unseen concept combinations. Features are (n, d) tensors of the same n samples
+(rows); everything runs in float64 on the CPU and returns Python numbers.
+
+- `linear_cka(x, y)`: centred kernel alignment with linear kernels (Kornblith et al., 2019),
+  ||Ycᵀ Xc||²_F / (||Xcᵀ Xc||_F · ||Ycᵀ Yc||_F) with column-centred Xc, Yc. 1 for sets that differ by an orthogonal
+  transform, an isotropic scaling or a translation; 0 when the centred features are orthogonal across the sets.
+- `mutual_knn(x, y, k)`: the mutual k-nearest-neighbour alignment of the platonic-representation work (Huh et
+  al., 2024): the mean over samples i of |knn_x(i) ∩ knn_y(i)| / k, neighbours taken among the other samples by
+  cosine similarity (or Euclidean distance). 1 for a set with itself; about k / (n − 1) for unrelated sets.
+- `probe_gap(features, labels, seen)`: a ridge-regression linear probe for `labels`, fitted on part of the seen
+  samples (e.g. images of concept pairs in the training data) and scored on the other seen samples (in
+  distribution) and on the unseen ones (held-out pairs): the ID/OOD accuracy gap of feature-contamination work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["linear_cka", "mutual_knn", "ridge_probe", "probe_gap"]
+
+
+def _matrix(name: str, x: torch.Tensor, rows: int | None = None, min_rows: int = 2) -> torch.Tensor:
+    x = torch.as_tensor(x).detach().to("cpu", torch.float64)
+    if x.ndim != 2 or x.shape[0] < min_rows:
+        raise ValueError(f"{name} must be (n, d) with n >= {min_rows} samples, got shape {tuple(x.shape)}")
+    if rows is not None and x.shape[0] != rows:
+        raise ValueError(f"{name} has {x.shape[0]} rows, the other set {rows}: both must hold the same samples")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} holds non-finite values")
+    return x
+
+
+def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA of two feature sets of the same n samples, (n, d1) and (n, d2); in [0, 1]."""
+    x = _matrix("x", x)
+    y = _matrix("y", y, x.shape[0])
+    x = x - x.mean(dim=0)
+    y = y - y.mean(dim=0)
+    cross = torch.linalg.matrix_norm(y.T @ x) ** 2
+    norms = torch.linalg.matrix_norm(x.T @ x) * torch.linalg.matrix_norm(y.T @ y)
+    if norms == 0:
+        raise ValueError("linear CKA is undefined when a feature set is constant over the samples")
+    return float(cross / norms)
+
+
+def _neighbours(x: torch.Tensor, k: int, metric: str) -> torch.Tensor:
+    if metric == "cosine":
+        x = torch.nn.functional.normalize(x, dim=1)
+        score = x @ x.T
+    elif metric == "euclidean":
+        score = -torch.cdist(x, x)
+    else:
+        raise ValueError(f"metric must be 'cosine' or 'euclidean' (got {metric!r})")
+    score.fill_diagonal_(-math.inf)  # a sample is not its own neighbour
+    return score.topk(k, dim=1).indices
+
+
+def mutual_knn(x: torch.Tensor, y: torch.Tensor, k: int = 10, metric: str = "cosine") -> float:
+    """Mutual k-NN alignment of two feature sets of the same n samples; in [0, 1]."""
+    x = _matrix("x", x)
+    y = _matrix("y", y, x.shape[0])
+    n = x.shape[0]
+    if not 1 <= k <= n - 1:
+        raise ValueError(f"k must be in [1, n - 1] = [1, {n - 1}] (got {k})")
+    nx, ny = _neighbours(x, k, metric), _neighbours(y, k, metric)
+    in_x = torch.zeros(n, n, dtype=torch.bool).scatter_(1, nx, True)
+    shared = in_x.gather(1, ny).sum(dim=1)
+    return float(shared.double().mean() / k)
+
+
+def ridge_probe(x: torch.Tensor, labels: torch.Tensor, ridge: float = 1e-3):
+    """A linear classifier fitted by ridge regression onto one-hot labels (with a bias; `ridge` relative to the
+    features' mean squared norm, so the fit does not depend on their scale). Returns predict(features) -> labels."""
+    x = _matrix("features", x)
+    labels = torch.as_tensor(labels).long().cpu()
+    if labels.shape != (x.shape[0],):
+        raise ValueError(f"labels must be ({x.shape[0]},), got {tuple(labels.shape)}")
+    classes = torch.unique(labels)
+    mean = x.mean(dim=0)
+    centred = x - mean
+    targets = (labels[:, None] == classes[None, :]).double()
+    gram = centred.T @ centred
+    strength = ridge * float(gram.trace()) / gram.shape[0]
+    weights = torch.linalg.solve(gram + strength * torch.eye(gram.shape[0], dtype=gram.dtype),
+                                 centred.T @ (targets - targets.mean(dim=0)))
+    bias = targets.mean(dim=0)
+
+    def predict(features: torch.Tensor) -> torch.Tensor:
+        f = _matrix("features", features, min_rows=1)
+        if f.shape[1] != mean.shape[0]:
+            raise ValueError(f"the probe was fitted on {mean.shape[0]}-wide features, got {f.shape[1]}")
+        return classes[((f - mean) @ weights + bias).argmax(dim=1)]
+
+    return predict
+
+
+def probe_gap(features: torch.Tensor, labels: torch.Tensor, seen: torch.Tensor, fit_fraction: float = 0.5,
+              seed: int = 0, ridge: float = 1e-3) -> dict[str, float]:
+    """Fit `ridge_probe` on a `fit_fraction` of the seen samples (drawn with `seed`), then score it on the rest of
+    the seen samples ("id_accuracy") and on all unseen ones ("ood_accuracy"); "gap" = id − ood."""
+    features = _matrix("features", features)
+    labels = torch.as_tensor(labels).long().cpu()
+    seen = torch.as_tensor(seen).bool().cpu()
+    if labels.shape != seen.shape or labels.shape != (features.shape[0],):
+        raise ValueError(f"labels and seen must both be ({features.shape[0]},), got {tuple(labels.shape)} and "
+                         f"{tuple(seen.shape)}")
+    if not 0 < fit_fraction < 1:
+        raise ValueError(f"fit_fraction must be in (0, 1) (got {fit_fraction})")
+    seen_idx = torch.nonzero(seen).flatten()
+    unseen_idx = torch.nonzero(~seen).flatten()
+    order = seen_idx[torch.randperm(len(seen_idx), generator=torch.Generator().manual_seed(seed))]
+    n_fit = int(round(fit_fraction * len(order)))
+    if n_fit < 2 or n_fit == len(order) or len(unseen_idx) == 0:
+        raise ValueError(f"need >= 2 seen samples to fit, >= 1 to score and >= 1 unseen (got {len(order)} seen, "
+                         f"{len(unseen_idx)} unseen, fit_fraction {fit_fraction})")
+    fit, held = order[:n_fit], order[n_fit:]
+    predict = ridge_probe(features[fit], labels[fit], ridge)
+    id_acc = float((predict(features[held]) == labels[held]).double().mean())
+    ood_acc = float((predict(features[unseen_idx]) == labels[unseen_idx]).double().mean())
+    return {"id_accuracy": id_acc, "ood_accuracy": ood_acc, "gap": id_acc - ood_acc, "fit_samples": len(fit),
+            "id_samples": len(held), "ood_samples": len(unseen_idx)}

@@ -1,0 +1,151 @@
+"""Representation diagnostics: linear CKA, mutual k-NN alignment and the linear-probe ID/OOD gap, against values
+worked out by hand and the invariances they are defined to have."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from imba.eval.representations import linear_cka, mutual_knn, probe_gap, ridge_probe
+
+
+def kernel_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """CKA in its kernel form, HSIC(K, L) / sqrt(HSIC(K, K) HSIC(L, L)) with K = XXᵀ, L = YYᵀ and the centring
+    matrix H: an independent route to the value `linear_cka` computes in feature space."""
+    n = x.shape[0]
+    h = torch.eye(n, dtype=torch.float64) - 1.0 / n
+    k, l = h @ (x @ x.T) @ h, h @ (y @ y.T) @ h
+    return float((k * l).sum() / torch.sqrt((k * k).sum() * (l * l).sum()))
+
+
+def test_linear_cka_by_hand():
+    x = torch.tensor([[0.0], [1.0], [2.0]])
+    # centred x = (-1, 0, 1); centred x² = (-5/3, -2/3, 7/3): (yᵀx)² = 16, xᵀx = 2, yᵀy = 78/9 → 16 / (2 · 78/9)
+    assert linear_cka(x, x ** 2) == pytest.approx(12 / 13, rel=1e-12)
+    assert linear_cka(x, 3 * x + 5) == pytest.approx(1.0, rel=1e-12)
+    # both already centred: ||YᵀX||² = ||(2, 0)||² = 4, ||XᵀX||_F = ||diag(2, 2)||_F = √8, ||YᵀY|| = 2
+    assert linear_cka(torch.tensor([[1.0, 0], [-1, 0], [0, 1], [0, -1]]),
+                      torch.tensor([[1.0], [-1], [0], [0]])) == pytest.approx(1 / math.sqrt(2), rel=1e-12)
+
+
+def test_linear_cka_matches_the_kernel_form_and_has_its_invariances():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(6, 9, generator=g, dtype=torch.float64) + 0.5 * torch.randn(40, 9, generator=g,
+                                                                                     dtype=torch.float64)
+    value = linear_cka(x, y)
+    assert 0 < value < 1 and value == pytest.approx(kernel_cka(x, y), rel=1e-10)
+    q, _ = torch.linalg.qr(torch.randn(9, 9, generator=g, dtype=torch.float64))
+    assert linear_cka(x, y @ q) == pytest.approx(value, rel=1e-10)  # orthogonal transform
+    assert linear_cka(x, 7.5 * y + 3.0) == pytest.approx(value, rel=1e-10)  # isotropic scaling, translation
+    assert linear_cka(y, x) == pytest.approx(value, rel=1e-12)
+    stretch = torch.ones(9, dtype=torch.float64)
+    stretch[0] = 50.0
+    assert abs(linear_cka(x, y * stretch) - value) > 1e-3  # not invariant to anisotropic scaling
+    with pytest.raises(ValueError, match="same samples"):
+        linear_cka(x, y[:-1])
+    with pytest.raises(ValueError, match="constant"):
+        linear_cka(x, torch.ones(40, 3))
+
+
+def test_mutual_knn_by_hand():
+    x = torch.tensor([[0.0], [1.0], [3.0], [7.0]])  # nearest other sample: 1, 0, 1, 2
+    y = torch.tensor([[0.0], [5.0], [6.0], [8.0]])  # nearest other sample: 1, 2, 1, 2 → agree on samples 0, 2, 3
+    assert mutual_knn(x, y, k=1, metric="euclidean") == pytest.approx(0.75)
+    # k = 2: x's sets {1,2}, {0,2}, {1,0}, {2,1}; y's {2,1}... sample 0: y {1,2}; 1: {2,3}; 2: {1,3}; 3: {2,1}
+    # overlaps 2, 1, 1, 2 → (2 + 1 + 1 + 2) / (4 · 2)
+    assert mutual_knn(x, y, k=2, metric="euclidean") == pytest.approx(6 / 8)
+    with pytest.raises(ValueError, match=r"k must be in \[1, n - 1\]"):
+        mutual_knn(x, y, k=4)
+    with pytest.raises(ValueError, match="metric"):
+        mutual_knn(x, y, k=1, metric="manhattan")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(8, 40), st.integers(1, 7), st.integers(0, 2**31 - 1))
+def test_mutual_knn_of_a_set_with_itself_or_a_rotation_of_it_is_one(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    q, _ = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))
+    assert mutual_knn(x, x, k=min(k, n - 1)) == 1.0
+    assert mutual_knn(x, 3 * x @ q, k=min(k, n - 1)) == 1.0  # cosine neighbours survive rotation and scaling
+
+
+def test_mutual_knn_of_unrelated_sets_is_near_chance():
+    g = torch.Generator().manual_seed(1)
+    n, k = 400, 10
+    value = mutual_knn(torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g), k=k)
+    assert value == pytest.approx(k / (n - 1), abs=0.02)
+
+
+def test_probe_measures_the_gap_a_shape_feature_opens_on_unseen_combinations():
+    """Two colours (the label) × two shapes; the seen pairs are (colour 0, shape 0) and (colour 1, shape 1). When
+    the features also carry the shape, more strongly than the colour, the probe leans on it and reads the held-out
+    pairs by their shape: OOD accuracy near 0. Without the shape feature the probe carries over: no gap."""
+    g = torch.Generator().manual_seed(2)
+    per_pair = 50
+    colour = torch.tensor([0, 0, 1, 1]).repeat_interleave(per_pair)
+    shape = torch.tensor([0, 1, 0, 1]).repeat_interleave(per_pair)
+    seen = colour == shape
+    noise = 0.2 * torch.randn(len(colour), 2, generator=g)
+    signs = torch.stack([2.0 * colour - 1, 2.0 * shape - 1], dim=1)
+    clean = signs * torch.tensor([1.0, 0.0]) + noise
+    contaminated = signs * torch.tensor([1.0, 2.0]) + noise
+    ok = probe_gap(clean, colour, seen)
+    bad = probe_gap(contaminated, colour, seen)
+    assert ok["id_accuracy"] == 1.0 and ok["ood_accuracy"] == 1.0 and ok["gap"] == 0.0
+    # the least-squares weights follow the two features' sizes: b² - a² = 3 > 0 sends each unseen pair to its shape
+    assert bad["id_accuracy"] == 1.0 and bad["ood_accuracy"] < 0.05 and bad["gap"] > 0.95
+    assert ok["fit_samples"] + ok["id_samples"] == int(seen.sum()) and ok["ood_samples"] == int((~seen).sum())
+    assert probe_gap(clean, colour, seen, seed=5)["id_samples"] == ok["id_samples"]
+    with pytest.raises(ValueError, match="unseen"):
+        probe_gap(clean, colour, torch.ones_like(seen))
+
+
+def test_ridge_probe_is_scale_free_and_exact_on_separable_points():
+    x = torch.tensor([[0.0, 0.0], [0.0, 1.0], [4.0, 0.0], [4.0, 1.0]])
+    labels = torch.tensor([7, 7, 9, 9])
+    for scale in (1e-3, 1.0, 1e3):
+        predict = ridge_probe(scale * x, labels)
+        assert predict(scale * x).tolist() == [7, 7, 9, 9]
+        assert predict(scale * torch.tensor([[1.0, 0.5], [3.0, 0.5]])).tolist() == [7, 9]
+    assert not math.isnan(float(ridge_probe(x, labels)(x[:1]).double()))
+    with pytest.raises(ValueError, match="fitted on 2-wide features"):
+        ridge_probe(x, labels)(torch.ones(1, 3))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# features of a real (tiny) DiT
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_block_features_pool_each_blocks_image_tokens_in_order_and_leave_the_model_as_it_was():
+    from imba.eval.dit_features import block_features, caption_features
+    from models.dit import PRESETS, build_transformer, predict
+
+    torch.manual_seed(0)
+    dit = build_transformer("micro", sample_size=8, caption_channels=16).eval()
+    noisy = torch.randn(3, 4, 8, 8)
+    t = torch.full((3,), 500)
+    embeds = torch.randn(3, 5, 16)
+    embeds[2] = embeds[0]  # captions 0 and 2 are the same
+    mask = torch.ones(3, 5, dtype=torch.long)
+    noisy[2] = noisy[0]
+    outputs = []
+    watch = [b.register_forward_hook(lambda m, i, o: outputs.append(o)) for b in dit.transformer_blocks]
+    feats = block_features(dit, noisy, t, embeds, mask)
+    for handle in watch:
+        handle.remove()
+    hidden = PRESETS["micro"].hidden_size
+    assert len(feats) == PRESETS["micro"].num_layers and all(f.shape == (3, hidden) for f in feats)
+    assert all(torch.equal(f, o.mean(dim=1)) for f, o in zip(feats, outputs))  # image tokens (16 of them) pooled
+    assert all(o.shape[1] == 16 for o in outputs)
+    assert all(len(b._forward_hooks) == 0 for b in dit.transformer_blocks)
+    assert torch.equal(feats[-1][0], feats[-1][2]) and not torch.allclose(feats[-1][0], feats[-1][1])
+    with torch.no_grad():
+        assert torch.equal(predict(dit, noisy, t, embeds, mask), predict(dit, noisy, t, embeds, mask))
+
+    states = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    assert caption_features(states, torch.tensor([[1, 1, 0]])).tolist() == [[2.0, 3.0]]  # padding left out
