@@ -252,3 +252,22 @@ def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, caps
     shutil.rmtree(tmp_path / "runs")
     assert composition.main(argv) == 0
     assert "reusing 4 finished runs" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_quick_benchmark_trains_the_control_the_balanced_control_and_the_best_imba_form(tmp_path):
+    """`python bench/composition.py --quick` as a user runs it: the oracle trained first, then plain,
+    plain_balanced and the best IMBA form for 1,000 steps on seed 0, evaluated and tabulated (about 7 min on 2
+    cores, bench/README.md)."""
+    assert composition.main(["--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["oracle"]["tile_accuracy"] > 0.99
+    assert results["lengths"] == [1000]
+    assert sorted(r["variant"] for r in results["runs"]) == sorted(composition.QUICK_VARIANTS)
+    assert {"plain", "plain_balanced"} <= set(composition.QUICK_VARIANTS)
+    for run in results["runs"]:
+        rates = run["results"]["1000"]["per_pair"]
+        assert len(rates) == 40 and all(0.0 <= r <= 1.0 for r in rates.values())
+    assert "imba_target_tnorm" in results["gap_closed"]["equal steps"]["1000"]
+    assert "| imba_target_tnorm |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "composition.png").stat().st_size > 1000
