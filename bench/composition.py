@@ -349,6 +349,19 @@ def summarise(runs: list[dict], world: PairWorld) -> dict:
     return out
 
 
+def stream_nmi(world: PairWorld, pool: int) -> dict[str, float]:
+    """Colour-shape NMI of the objects each training stream shows: the long-tailed stream draws pool tiles
+    uniformly (pair frequency = its pool count), the balanced one every seen pair equally often."""
+    from imba.eval.representations import attribute_nmi
+
+    counts = world.pool_counts(pool)
+    tables = {name: torch.zeros(len(COLOURS), len(SHAPES)) for name in ("long_tailed", "balanced")}
+    for (colour, shape), n in counts.items():
+        tables["long_tailed"][colour, shape] = n
+        tables["balanced"][colour, shape] = 1
+    return {name: attribute_nmi(table) for name, table in tables.items()}
+
+
 def gap_closed(runs: list[dict], world: PairWorld, lengths: list[int], compute: bool) -> dict:
     """Per IMBA-or-reweighting variant and length: the balance gap and how much of it the variant closes.
 
@@ -566,8 +579,11 @@ def main(argv: list[str] | None = None) -> int:
     if curves:
         plot_monitor(curves, args.out / "monitor.png", ylabel="mean IMBA distance d over the object's tokens",
                      title="IMBA distance per bucket of the object's pair during training (mean over seeds)")
+    nmi = stream_nmi(world, args.pool)
+    print("colour-shape NMI of the training streams: " + ", ".join(f"{k} {v:.4f}" for k, v in nmi.items()))
     payload = {
         "command": "python bench/composition.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "attribute_nmi": nmi,
         "seeds": seeds, "lengths": lengths, "per_pair": per_pair, "variants": variants,
         "oracle": oracle_report, "wall_seconds": time.perf_counter() - started,
         "buckets": {pair_name(p): b for p, b in world.buckets.items()},

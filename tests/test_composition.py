@@ -269,5 +269,7 @@ def test_the_quick_benchmark_trains_the_control_the_balanced_control_and_the_bes
         rates = run["results"]["1000"]["per_pair"]
         assert len(rates) == 40 and all(0.0 <= r <= 1.0 for r in rates.values())
     assert "imba_target_tnorm" in results["gap_closed"]["equal steps"]["1000"]
+    assert set(results["attribute_nmi"]) == {"long_tailed", "balanced"}
+    assert all(0 <= v < 0.2 for v in results["attribute_nmi"].values())  # 34 of 40 pairs seen: nearly independent
     assert "| imba_target_tnorm |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "composition.png").stat().st_size > 1000

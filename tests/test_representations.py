@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imba.eval.representations import linear_cka, mutual_knn, probe_gap, ridge_probe
+from imba.eval.representations import attribute_nmi, linear_cka, mutual_knn, probe_gap, ridge_probe
 
 
 def kernel_cka(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -149,3 +149,15 @@ def test_block_features_pool_each_blocks_image_tokens_in_order_and_leave_the_mod
 
     states = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
     assert caption_features(states, torch.tensor([[1, 1, 0]])).tolist() == [[2.0, 3.0]]  # padding left out
+
+
+def test_attribute_nmi_by_hand():
+    assert attribute_nmi(torch.ones(3, 4)) == pytest.approx(0.0, abs=1e-12)  # independent
+    assert attribute_nmi(torch.eye(5) * 7) == pytest.approx(1.0, rel=1e-12)  # each determines the other
+    # p = [[1/2, 0], [1/4, 1/4]]: H(A) = ln 2, H(B) = H(3/4, 1/4), I = H(B) - H(B | A) = H(B) - ln 2 / 2
+    h_b = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    want = 2 * (h_b - math.log(2) / 2) / (math.log(2) + h_b)
+    assert attribute_nmi(torch.tensor([[2.0, 0.0], [1.0, 1.0]])) == pytest.approx(want, rel=1e-12)
+    assert attribute_nmi(torch.tensor([[3.0, 0.0]])) == 0.0  # a constant attribute
+    with pytest.raises(ValueError, match="non-negative"):
+        attribute_nmi(torch.tensor([[1.0, -1.0]]))

@@ -11,6 +11,9 @@ concept carries over from seen to unseen concept combinations. Features are (n, 
 - `probe_gap(features, labels, seen)`: a ridge-regression linear probe for `labels`, fitted on part of the seen
   samples (e.g. images of concept pairs in the training data) and scored on the other seen samples (in
   distribution) and on the unseen ones (held-out pairs): the ID/OOD accuracy gap of feature-contamination work.
+- `attribute_nmi(joint)`: the normalised mutual information of two attributes (e.g. colour and shape) from
+  their joint counts in a training set, 2 I(A; B) / (H(A) + H(B)): 0 when independent, 1 when each determines
+  the other; the data-side predictor of held-out composition in the work on data distributional properties.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["linear_cka", "mutual_knn", "ridge_probe", "probe_gap"]
+__all__ = ["linear_cka", "mutual_knn", "ridge_probe", "probe_gap", "attribute_nmi"]
 
 
 def _matrix(name: str, x: torch.Tensor, rows: int | None = None, min_rows: int = 2) -> torch.Tensor:
@@ -122,3 +125,24 @@ def probe_gap(features: torch.Tensor, labels: torch.Tensor, seen: torch.Tensor, 
     ood_acc = float((predict(features[unseen_idx]) == labels[unseen_idx]).double().mean())
     return {"id_accuracy": id_acc, "ood_accuracy": ood_acc, "gap": id_acc - ood_acc, "fit_samples": len(fit),
             "id_samples": len(held), "ood_samples": len(unseen_idx)}
+
+
+def attribute_nmi(joint: torch.Tensor) -> float:
+    """NMI of two attributes from their joint counts or probabilities, an (A, B) non-negative table."""
+    p = torch.as_tensor(joint).detach().to("cpu", torch.float64)
+    if p.ndim != 2 or (p < 0).any() or not torch.isfinite(p).all() or p.sum() <= 0:
+        raise ValueError(f"joint must be a non-negative, finite (A, B) table with a positive sum, got shape "
+                         f"{tuple(p.shape)}")
+    p = p / p.sum()
+    pa, pb = p.sum(dim=1), p.sum(dim=0)
+
+    def entropy(q: torch.Tensor) -> float:
+        q = q[q > 0]
+        return float(-(q * q.log()).sum())
+
+    ha, hb = entropy(pa), entropy(pb)
+    if ha + hb == 0:
+        return 0.0  # both attributes constant: nothing to share
+    nz = p > 0
+    mutual = float((p[nz] * (p[nz] / (pa[:, None] * pb[None, :])[nz]).log()).sum())
+    return max(0.0, 2 * mutual / (ha + hb))
