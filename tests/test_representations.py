@@ -122,7 +122,7 @@ def test_ridge_probe_is_scale_free_and_exact_on_separable_points():
 
 
 def test_block_features_pool_each_blocks_image_tokens_in_order_and_leave_the_model_as_it_was():
-    from imba.eval.dit_features import block_features, caption_features
+    from models.dit_features import block_features, caption_features
     from models.dit import PRESETS, build_transformer, predict
 
     torch.manual_seed(0)
