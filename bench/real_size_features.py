@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.precompute import PrecomputeSettings, feature_members  # noqa: E402
 from data.precompute_output import ShardOutput, plan_outputs, write_manifest, write_null_text, write_record  # noqa: E402
 from data.precomputed import load_manifest  # noqa: E402
-from data.text_states import TEXT_DTYPES, encode_states, states_from_numpy  # noqa: E402
+from data.text_states import TEXT_DTYPES, bytes_per_token, encode_states, states_from_numpy  # noqa: E402
 
 T5_XXL_WIDTH = 4096
 SD_VAE = {"latent_channels": 4, "vae_downsample": 8, "vae_scaling_factor": 0.18215, "vae_shift_factor": None}
@@ -102,7 +102,7 @@ def state_errors(text_dtype: str, tokens: int = 4096, width: int = T5_XXL_WIDTH,
     per_token_max = states.abs().amax(dim=1, keepdim=True)
     return {"relative_rms_error": float(torch.linalg.vector_norm(back - states) / torch.linalg.vector_norm(states)),
             "max_error_over_token_absmax": float((err / per_token_max).max()),
-            "bytes_per_token": values.nbytes / tokens + (0 if scale is None else scale.nbytes / tokens)}
+            "bytes_per_token": bytes_per_token(text_dtype, width)}
 
 
 def main(argv: list[str] | None = None) -> int:
