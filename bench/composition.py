@@ -1,6 +1,6 @@
 """Synthetic composition benchmark: does IMBA close the gap that data imbalance opens? (paper Tab. 1/3)
 
-    python bench/composition.py                 # control, plain and three IMBA forms × 3 seeds (≈ 85 min, 2 cores)
+    python bench/composition.py                 # control, plain and three IMBA forms × 3 seeds (91 min, 2 cores)
     python bench/composition.py --variants all  # every form in VARIANTS (≈ 4.5 h on 2 cores)
     python bench/composition.py --quick         # 1 seed, plain / plain_balanced / the best IMBA form, 1,000 steps
     python bench/composition.py --variants plain plain_balanced imba_cond --seeds 0 1 --steps 600
@@ -52,7 +52,9 @@ from composition_scenes import (BUCKETS, COLOURS, FAILURES, SHAPES, TILE, Oracle
 # reweight: plain MSE weighted per scene by the mean of its two objects' weights, either the inverse frequency of
 # their concepts (offline re-weighting as a user would do it) or the exact importance ratio of the balanced stream,
 # p_balanced(pair) / p_pool(pair) (the best any per-sample re-weighting of this stream can do in expectation);
-# objective: flow or ddpm (ε)
+# objective: flow or ddpm (ε); hues / bursty / jitter: the data levers of composition_scenes (colour diversity:
+# HUES-coloured tiles, half as many as the pool's; burstiness: the share of scenes whose second object takes the
+# first one's colour; latent intervention: the largest hue rotation of a training tile, in turns)
 VARIANTS = {
     "plain": dict(kind="plain"),
     "plain_balanced": dict(kind="plain", balanced=True),
@@ -74,12 +76,20 @@ VARIANTS = {
     "imba_target_eps": dict(kind="imba", reference="target", objective="ddpm"),
     "imba_target_tnorm_eps": dict(kind="imba", reference="target", normalize="timestep_mean", objective="ddpm"),
     "imba_cond_tnorm_eps": dict(kind="imba", reference="cond", normalize="timestep_mean", objective="ddpm"),
+    "plain_hues": dict(kind="plain", hues=0.5),
+    "plain_bursty": dict(kind="plain", bursty=0.5),
+    "plain_jitter": dict(kind="plain", jitter=0.05),
 }
-# the default fits the time bound on 2 cores (≈ 85 min from the recorded runs' times); `--variants all` runs every
+# the default takes 91 min on 2 cores (measured from nothing, bench/README.md); `--variants all` runs every
 # form (≈ 4.5 h)
 DEFAULT_VARIANTS = ["plain", "plain_balanced", "imba_target", "imba_target_tnorm", "imba_target_tnorm_efficient"]
 QUICK_VARIANTS = ["plain", "plain_balanced", "imba_target_tnorm"]  # the control, and the best IMBA form measured
-# plain and its balanced control also train to 1.3× and 2× each length: the equal-compute references
+# the data-levers experiment (`--levers`): the controls, the IMBA form to compare at equal compute, the three levers
+LEVER_VARIANTS = ["plain", "plain_balanced", "imba_target_tnorm_efficient", "plain_hues", "plain_bursty",
+                  "plain_jitter"]
+LEVERS = ("hues", "bursty", "jitter")
+# plain, its balanced control and the data levers also train on to the lengths that give them the compute of each
+# IMBA variant in the benchmark (1.3× and 2× each length): the equal-compute references
 CONTROLS = {"flow": ("plain", "plain_balanced"), "ddpm": ("plain_eps", "plain_balanced_eps")}
 PATCH = 4
 MONITOR_EVERY = 50  # steps per point of the distance-per-bucket curve
@@ -103,11 +113,17 @@ def equal_compute_steps(length: int, cost: float) -> int:
     return round(length * cost)
 
 
-def train_lengths(variant: str, lengths: list[int], equal_compute: bool = True) -> list[int]:
-    """Where a run is evaluated: at each length, and for the controls also at the equal-compute lengths."""
-    if not equal_compute or variant not in CONTROLS[objective_of(variant)]:
+def is_lever(variant: str) -> bool:
+    return any(VARIANTS[variant].get(lever) for lever in LEVERS)
+
+
+def train_lengths(variant: str, lengths: list[int], equal_compute: bool = True,
+                  factors: tuple[float, ...] = (1.0, 1.3, 2.0)) -> list[int]:
+    """Where a run is evaluated: at each length, and for the controls and the data levers also at each length
+    times each of `factors` (the step costs of the benchmark's variants: their equal-compute lengths)."""
+    if not equal_compute or (variant not in CONTROLS[objective_of(variant)] and not is_lever(variant)):
         return sorted(lengths)
-    return sorted({equal_compute_steps(n, c) for n in lengths for c in (1.0, 1.3, 2.0)})
+    return sorted({equal_compute_steps(n, c) for n in lengths for c in (1.0, *factors)})
 
 
 def inverse_frequency_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
@@ -209,6 +225,10 @@ def run_one(job: dict) -> dict:
     torch.set_num_threads(1)
     from diffusers.training_utils import EMAModel
 
+    from composition_diagnostics import stream_objects, world_diagnostics
+    from composition_scenes import HUES, rotate_hue
+
+    from imba.eval.representations import attribute_nmi
     from imba.objectives import build_objective
     from imba.training_loss import TrainingLoss
     from models.dit import build_transformer, predict
@@ -219,8 +239,8 @@ def run_one(job: dict) -> dict:
     oracle = Oracle()
     oracle.load_state_dict(torch.load(job["oracle"], weights_only=True))
 
-    pool = TilePool(world, seed, tiles=job["pool"])
-    bucket_of_tile = [world.buckets[p] for p in pool.pair_of_tile]
+    pool = TilePool(world, seed, tiles=job["pool"], hue_tiles=round(spec.get("hues", 0) * job["pool"]))
+    bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
     if spec.get("reweight"):
         weights = (inverse_frequency_weights(pool.pair_of_tile) if spec["reweight"] == "inverse_freq"
@@ -241,13 +261,24 @@ def run_one(job: dict) -> dict:
     def predict_fn(noisy, timesteps, embeds, mask):
         return predict(model, noisy, timesteps, embeds, mask, 1)
 
+    lever_gen = torch.Generator().manual_seed(seed + 2)  # the levers' own draws: the stream's stay as plain's
+    objects = torch.zeros(len(COLOURS) + HUES, len(SHAPES))  # (colour, shape) of every object trained on
     window = {b: [0.0, 0] for b in BUCKETS}  # IMBA distance per bucket (sum, count) since the last curve point
     curve: list[dict] = []
     results, losses, start = {}, [], time.perf_counter()
     for step in range(1, lengths[-1] + 1):
         left = pool.draw(job["batch_size"], spec.get("balanced", False), data_gen)
         right = pool.draw(job["batch_size"], spec.get("balanced", False), data_gen)
-        noised = objective.noise(pool.scenes(left, right), generator=data_gen)
+        if spec.get("bursty"):
+            right = pool.same_colour(left, spec["bursty"], right, lever_gen)
+        drawn = torch.cat([left, right])
+        stream_objects(objects, pool.colour_of_tile[drawn], pool.shape_of_tile[drawn])
+        scenes = pool.scenes(left, right)
+        if spec.get("jitter"):
+            turns = spec["jitter"] * (2 * torch.rand(2 * len(left), generator=lever_gen) - 1)
+            halves = rotate_hue(torch.cat([scenes[..., :TILE], scenes[..., TILE:]]), turns)
+            scenes = torch.cat(halves.chunk(2), dim=3)
+        noised = objective.noise(scenes, generator=data_gen)
         cond = text.encode([pool.pair_of_tile[i] for i in left.tolist()],
                            [pool.pair_of_tile[i] for i in right.tolist()])
         extra = {} if tile_weight is None else {"sample_weights": 0.5 * (tile_weight[left] + tile_weight[right])}
@@ -263,7 +294,7 @@ def run_one(job: dict) -> dict:
             halves = half_distances(stats["distance_per_token"], TILE // PATCH, 2 * TILE // PATCH)
             for tiles, d in zip((left, right), halves):
                 for i, value in zip(tiles.tolist(), d.tolist()):
-                    if math.isfinite(value):
+                    if math.isfinite(value) and bucket_of_tile[i] is not None:
                         window[bucket_of_tile[i]][0] += value
                         window[bucket_of_tile[i]][1] += 1
             if step % MONITOR_EVERY == 0:
@@ -278,10 +309,14 @@ def run_one(job: dict) -> dict:
                                                   seed=1000 + seed)
             if job.get("grid_dir") and step == lengths[-1]:
                 save_grid(images, job["per_pair"], Path(job["grid_dir"]) / f"samples_{variant}_{step}.png")
+            diagnostics = world_diagnostics(model, text, world, PATCH, seed=seed)
+            if job.get("models_dir"):
+                model.save_pretrained(Path(job["models_dir"]) / f"{variant}-seed{seed}-{step}")
             model.train()
             ema.restore(model.parameters())
             results[step] = {"per_pair": per_pair, "failures": failures, "train_seconds": train_seconds,
-                             "final_loss": statistics.fmean(losses[-50:])}
+                             "final_loss": statistics.fmean(losses[-50:]), "diagnostics": diagnostics,
+                             "attribute_nmi": attribute_nmi(objects)}
     return {"variant": variant, "seed": seed, "settings": {k: job[k] for k in JOB_SETTINGS}, "results": results,
             "distance_curve": curve}
 
@@ -428,10 +463,9 @@ def markdown_report(summary: dict, gaps: dict, failures: dict, variants: list[st
             cells = summary.get(length, {}).get(variant)
             if cells:
                 lines.append(f"| {variant} | " + " | ".join(_pct(cells[c]) for c in columns) + " |")
-        controls = sorted({c for v in variants for c in CONTROLS[objective_of(v)] if c in summary.get(length, {})})
         longer = sorted({n for n in summary if n > length and n <= 2 * length})
         for n in longer:
-            for control in controls:
+            for control in variants:  # the controls and the levers, trained on for equal compute
                 cells = summary[n].get(control)
                 if cells:
                     lines.append(f"| {control} @ {n} steps | " + " | ".join(_pct(cells[c]) for c in columns) + " |")
@@ -471,16 +505,18 @@ def markdown_report(summary: dict, gaps: dict, failures: dict, variants: list[st
 
 
 def bar_plot(summary: dict, variants: list[str], lengths: list[int], path: Path) -> None:
-    """Grouped bars per bucket: one panel per equal-steps length, plus the controls at 2× for equal compute."""
+    """Grouped bars per bucket: one panel per equal-steps length, plus the plain-cost variants trained on to
+    1.3× and 2× of it (equal compute with the efficient and the literal IMBA step)."""
     from imba.plots import plot_grouped_bars
 
     panels = {f"{length} training steps": {v: summary[length][v] for v in variants if v in summary.get(length, {})}
               for length in lengths}
     for length in lengths:
-        longer = equal_compute_steps(length, 2.0)
-        if longer in summary:
-            panels[f"controls at {longer} steps (= literal IMBA's compute at {length})"] = {
-                v: summary[longer][v] for v in variants if v in summary[longer]}
+        for cost, name in ((1.3, "the efficient IMBA estimator"), (2.0, "literal IMBA")):
+            longer = equal_compute_steps(length, cost)
+            if longer in summary:
+                panels[f"at {longer} steps (= {name}'s compute at {length})"] = {
+                    v: summary[longer][v] for v in variants if v in summary[longer]}
     plot_grouped_bars(panels, BUCKETS, variants, path, ylabel="composition success (%)", scale=100, ylim=(0, 100),
                       title="Two-object composition success per bucket of the probed pair (whiskers: 95 % CI)")
 
@@ -498,10 +534,130 @@ def monitor_curves(runs: list[dict]) -> dict:
             for v, buckets in sums.items()}
 
 
+def diagnose_saved_model(folder: Path, out: Path) -> int:
+    """`--diagnose`: the representation diagnostics of a model saved by a benchmark run, as JSON and a plot."""
+    from composition_diagnostics import world_diagnostics
+    from diffusers import PixArtTransformer2DModel
+
+    from imba.plots import plot_block_diagnostics
+
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"error: {folder} holds no saved model (config.json): pass a folder of OUT/models/")
+    model = PixArtTransformer2DModel.from_pretrained(folder).eval()
+    result = world_diagnostics(model, WordEncoder(seed=0), PairWorld(), PATCH)
+    out.mkdir(parents=True, exist_ok=True)
+    result["model"] = str(folder)
+    (out / "diagnostics.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot_block_diagnostics(result, out / "diagnostics.png",
+                           title=f"{folder.name}: alignment with the caption and probes, per block")
+    last = result["blocks"][-1]
+    print(f"last block: CKA on held-out pairs {last['cka']['held_out']:.3f}; probes on held-out pairs: colour "
+          f"{last['probe']['colour']['by_group']['held_out']:.2f}, shape "
+          f"{last['probe']['shape']['by_group']['held_out']:.2f}")
+    print(f"wrote {out / 'diagnostics.json'} and {out / 'diagnostics.png'}")
+    return 0
+
+
+LEVER_COLUMNS = ("head", "tail", "held_out", "attribute_nmi", "colour_probe_held_out", "shape_probe_held_out",
+                 "shape_probe_gap", "cka_tail", "cka_held_out")
+
+
+def levers_summary(runs: list[dict], world: PairWorld) -> dict:
+    """{length: {variant: {number: (mean, ci)}}} of `run_numbers` over seeds, and the relations across runs
+    ({length: relations(...)}) between held-out success and the data and representation numbers."""
+    from composition_diagnostics import relations, run_numbers
+
+    table: dict = {}
+    points: dict = {}
+    for run in runs:
+        for length in run["results"]:
+            numbers = run_numbers(run, int(length), world)
+            if numbers is None:
+                continue
+            table.setdefault(int(length), {}).setdefault(run["variant"], []).append(numbers)
+            points.setdefault(int(length), []).append({**numbers, "variant": run["variant"], "seed": run["seed"]})
+    summary = {length: {v: {k: mean_ci([n[k] for n in rows if n.get(k) is not None])
+                            for k in rows[0] if all(n.get(k) is not None for n in rows)}
+                        for v, rows in by_variant.items()}
+               for length, by_variant in table.items()}
+    return {"summary": summary, "relations": {length: relations(p) for length, p in points.items()},
+            "points": points}
+
+
+def levers_report(levers: dict, variants: list[str]) -> str:
+    lines = ["\n**Training-set NMI and representations** (mean ± 95 % CI over seeds; success in %; NMI of colour "
+             "and shape over the objects trained on; probes and CKA with the caption: the last block's, on "
+             "held-out or tail pairs; shape probe gap = ID − OOD accuracy)\n",
+             "| variant @ steps | " + " | ".join(c.replace("_", " ") for c in LEVER_COLUMNS) + " |",
+             "|---" * (len(LEVER_COLUMNS) + 1) + "|"]
+    for length in sorted(levers["summary"]):
+        for variant in variants:
+            cells = levers["summary"][length].get(variant)
+            if not cells:
+                continue
+            shown = []
+            for c in LEVER_COLUMNS:
+                mean, ci = cells.get(c, (None, None))
+                scale = 100 if c in BUCKETS else 1
+                shown.append("—" if mean is None else (f"{scale * mean:.1f} ± {scale * ci:.1f}" if scale == 100
+                                                        else f"{mean:.3f} ± {ci:.3f}"))
+            lines.append(f"| {variant} @ {length} | " + " | ".join(shown) + " |")
+    lines.append("\n**Does held-out composition track them?** (Pearson r across every run at one length, "
+                 "[95 % interval])\n")
+    lines.append("| steps | " + " | ".join(levers_relations_columns()) + " |")
+    lines.append("|---" * (len(levers_relations_columns()) + 1) + "|")
+    for length, rel in sorted(levers["relations"].items()):
+        cells = ["—" if r is None else f"{r[0]:+.2f} [{r[1]:+.2f}, {r[2]:+.2f}]" for r in rel.values()]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def levers_relations_columns() -> list[str]:
+    from composition_diagnostics import RELATIONS
+
+    return [f"held-out vs {name.replace('_', ' ')}" for name in RELATIONS]
+
+
+def levers_plots(levers: dict, runs: list[dict], variants: list[str], out: Path) -> None:
+    """levers.png: held-out success against NMI, the shape probe's gap and CKA, one point per run; blocks.png:
+    CKA and the shape probe on held-out pairs per block, mean over seeds, one line per variant."""
+    from imba.plots import plot_series
+
+    length = min(levers["points"])
+    points = levers["points"][length]
+    panels = {f"{name.replace('_', ' ')}": {"xlabel": name.replace("_", " "), "series": {
+        v: [(p[name], 100 * p["held_out"]) for p in points if p["variant"] == v] for v in variants}}
+        for name in ("attribute_nmi", "shape_probe_gap", "cka_held_out")}
+    plot_series(panels, out / "levers.png", ylabel="held-out composition success (%)", scatter=True,
+                title=f"Held-out composition against data and representation numbers ({length} steps, one point "
+                      "per run)")
+    per_block: dict = {"CKA with the caption, held-out pairs": {}, "shape probe, held-out pairs": {},
+                       "colour probe, held-out pairs": {}}
+    for variant in variants:
+        sets = [r["results"][length]["diagnostics"]["blocks"] for r in runs
+                if r["variant"] == variant and "diagnostics" in r["results"].get(length, {})]
+        if not sets:
+            continue
+        for title, get in (("CKA with the caption, held-out pairs", lambda b: b["cka"]["held_out"]),
+                           ("shape probe, held-out pairs", lambda b: b["probe"]["shape"]["by_group"]["held_out"]),
+                           ("colour probe, held-out pairs", lambda b: b["probe"]["colour"]["by_group"]["held_out"])):
+            per_block[title][variant] = [(i + 1, statistics.fmean(get(blocks[i]) for blocks in sets))
+                                         for i in range(len(sets[0]))]
+    plot_series({t: {"xlabel": "block", "series": s} for t, s in per_block.items()}, out / "blocks.png",
+                ylabel="CKA / probe accuracy", title=f"Per block, mean over seeds ({length} steps)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="1 seed, 3 variants, 1000 steps, 8 samples per pair, equal steps only")
+                        help="1 seed, 3 variants, 1000 steps, 8 samples per pair, equal steps only (with "
+                             "--levers: 1 seed, 400 steps, 4 samples per pair)")
+    parser.add_argument("--levers", action="store_true",
+                        help=f"the data-levers experiment: {' '.join(LEVER_VARIANTS)}, 1000 steps, the plain-cost "
+                             "variants also at the efficient estimator's compute (1,300 steps)")
+    parser.add_argument("--diagnose", type=Path, default=None, metavar="MODEL",
+                        help="only write the representation diagnostics (JSON and plot) of a model the benchmark "
+                             "saved (OUT/models/<variant>-seed<s>-<steps>) into --out")
     parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, "all"], default=None, metavar="NAME",
                         help=f"names from VARIANTS ({', '.join(VARIANTS)}) or all; default: "
                              f"{' '.join(DEFAULT_VARIANTS)}; quick: {' '.join(QUICK_VARIANTS)}")
@@ -518,13 +674,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="parallel training processes (one thread each)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "composition_results")
     args = parser.parse_args(argv)
-    variants = args.variants or (QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
+    if args.diagnose:
+        return diagnose_saved_model(args.diagnose, args.out)
+    variants = args.variants or (LEVER_VARIANTS if args.levers else QUICK_VARIANTS if args.quick
+                                 else DEFAULT_VARIANTS)
     if "all" in variants:
         variants = list(VARIANTS)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    lengths = sorted(args.steps or ([1000] if args.quick else [2000]))
-    equal_compute = not (args.no_equal_compute or args.quick)
-    per_pair = args.per_pair or (8 if args.quick else 16)
+    lengths = sorted(args.steps or ([400] if args.quick and args.levers else [1000] if args.quick or args.levers
+                                    else [2000]))
+    equal_compute = not (args.no_equal_compute or (args.quick and not args.levers))
+    per_pair = args.per_pair or (4 if args.quick and args.levers else 8 if args.quick else 16)
+    factors = tuple(sorted({relative_cost(v) for v in variants} - {1.0}))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
@@ -540,8 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"oracle: {100 * oracle_report['pair_accuracy']:.2f} % of {oracle_report['test_tiles']} fresh tiles read "
           f"right ({100 * oracle_report['empty_accuracy']:.2f} % of empty ones)", flush=True)
 
-    jobs = [dict(variant=v, seed=s, steps=train_lengths(v, lengths, equal_compute), per_pair=per_pair, batch_size=args.batch_size,
-                 pool=args.pool, oracle=str(oracle_path), grid_dir=str(args.out) if s == seeds[0] else None)
+    jobs = [dict(variant=v, seed=s, steps=train_lengths(v, lengths, equal_compute, factors), per_pair=per_pair,
+                 batch_size=args.batch_size, pool=args.pool, oracle=str(oracle_path),
+                 grid_dir=str(args.out) if s == seeds[0] else None, models_dir=str(args.out / "models"))
             for s in seeds for v in variants]
     jobs.sort(key=lambda j: -relative_cost(j["variant"]) * max(j["steps"]))  # longest first: better packing
     # every finished (variant, seed) is saved at once: an interrupted benchmark reruns only the missing ones, and the
@@ -574,6 +736,10 @@ def main(argv: list[str] | None = None) -> int:
             "equal compute": gap_closed(runs, world, lengths, compute=True)}
     failures = failure_table(runs, world, lengths[-1])
     report = markdown_report(summary, gaps, failures, variants, lengths, len(seeds))
+    levers = levers_summary(runs, world)
+    if levers["summary"]:
+        report += levers_report(levers, variants)
+        levers_plots(levers, runs, variants, args.out)
     bar_plot(summary, variants, lengths, args.out / "composition.png")
     curves = monitor_curves(runs)
     if curves:
@@ -591,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {str(k): v for k, v in summary.items()},
         "gap_closed": {t: {str(k): v for k, v in table.items()} for t, table in gaps.items()},
         "failures": failures, "distance_curves": curves, "runs": runs,
+        "levers": {"summary": {str(k): v for k, v in levers["summary"].items()},
+                   "relations": {str(k): v for k, v in levers["relations"].items()}},
     }
     results_path.write_text(json.dumps(payload, indent=1))
     (args.out / "results.md").write_text(report)

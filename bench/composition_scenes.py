@@ -13,6 +13,13 @@ Two streams draw scenes from the *same* tile pool:
 - pair-balanced (the control a balancing method is measured against): each tile by drawing a seen pair uniformly,
   then one of its tiles uniformly; every seen pair appears equally often, from the same images.
 
+Data levers (the systematic-generalisation work on data distributional properties), each on the long-tailed stream:
+- colour diversity: extra pool tiles in one of `HUES` hues around the colour wheel, each hue a caption word of its
+  own ("hue17"), shapes drawn from the world's shape distribution, so the shapes are seen with many more colours;
+- burstiness: the second object of a scene takes the first one's colour with some probability, so within a scene
+  the colour does not tell the shapes apart;
+- latent intervention: each training tile's hue is rotated by a random angle (colour jitter), the caption kept.
+
 Reading a scene: the oracle classifies each half into a colour and a shape or "nothing". A prompt succeeds when both
 halves show the prompted colour on the prompted shape; failures are split into a missing object, a colour on the
 wrong shape (a colour that belongs to the other object of the prompt) and anything else.
@@ -20,6 +27,7 @@ wrong shape (a colour that belongs to the other object of the prompt) and anythi
 
 from __future__ import annotations
 
+import colorsys
 import random
 from dataclasses import dataclass, field
 
@@ -40,6 +48,7 @@ POOL_TILES = 8192
 MIN_TILES = 8  # every seen pair has at least this many tiles in the pool (the balanced stream draws from them)
 # (colour index, shape index): never shown in training; each concept is seen with other partners
 HELD_OUT = ((1, 3), (3, 1), (4, 2), (5, 0), (6, 4), (7, 1))
+HUES = 64  # the colour-diversity lever's extra colours: colour index len(COLOURS) + k is hue k of HUES
 BUCKETS = ("head", "torso", "tail", "held_out")
 FAILURES = ("missing_object", "colour_on_wrong_shape", "other")
 
@@ -86,12 +95,25 @@ class PairWorld:
         return {p: max(floor, round(tiles * self.prob(p))) for p in self.seen}
 
 
+def colour_word(colour: int) -> str:
+    """The caption word of a colour index: a named colour, or "hue<k>" for the colour-diversity lever's hues."""
+    return COLOURS[colour] if colour < len(COLOURS) else f"hue{colour - len(COLOURS)}"
+
+
+def colour_value(colour: int) -> str | tuple[int, int, int]:
+    """What `data.synthetic.render_objects` draws a colour index with: its name, or the hue's RGB."""
+    if colour < len(COLOURS):
+        return COLOURS[colour]
+    r, g, b = colorsys.hsv_to_rgb((colour - len(COLOURS)) / HUES, 0.85, 0.85)
+    return round(255 * r), round(255 * g), round(255 * b)
+
+
 def caption(left: tuple[int, int], right: tuple[int, int]) -> str:
-    return f"a {COLOURS[left[0]]} {SHAPES[left[1]]} and a {COLOURS[right[0]]} {SHAPES[right[1]]}"
+    return f"a {pair_name(left)} and a {pair_name(right)}"
 
 
 def pair_name(pair: tuple[int, int]) -> str:
-    return f"{COLOURS[pair[0]]} {SHAPES[pair[1]]}"
+    return f"{colour_word(pair[0])} {SHAPES[pair[1]]}"
 
 
 def render_tiles(pairs: list[tuple[int, int] | None], seed: int, tag: str) -> torch.Tensor:
@@ -100,22 +122,36 @@ def render_tiles(pairs: list[tuple[int, int] | None], seed: int, tag: str) -> to
     out = torch.empty(len(pairs), 3, TILE, TILE)
     for i, pair in enumerate(pairs):
         rng = random.Random(f"composition/{tag}/{seed}/{i}")
-        objects = [] if pair is None else [(SHAPES[pair[1]], COLOURS[pair[0]])]
+        objects = [] if pair is None else [(SHAPES[pair[1]], colour_value(pair[0]))]
         image, _ = render_objects(rng, objects, TILE, SIZE_RANGE)
         out[i] = image_to_tensor(image)
     return out
 
 
 class TilePool:
-    """The training images of one seed: `pool_counts` tiles of every seen pair, rendered once."""
+    """The training images of one seed: `pool_counts` tiles of every seen pair, rendered once; with `hue_tiles`,
+    that many more tiles of the colour-diversity lever (a uniform hue, a shape from the world's distribution)."""
 
-    def __init__(self, world: PairWorld, seed: int, tiles: int = POOL_TILES, floor: int = MIN_TILES):
+    def __init__(self, world: PairWorld, seed: int, tiles: int = POOL_TILES, floor: int = MIN_TILES,
+                 hue_tiles: int = 0):
         counts = world.pool_counts(tiles, floor)
         self.pair_of_tile = [p for p in world.seen for _ in range(counts[p])]
         self.images = render_tiles(self.pair_of_tile, seed, "train")
-        self.pair_index = torch.tensor([world.pairs.index(p) for p in self.pair_of_tile])
+        if hue_tiles:
+            g = torch.Generator().manual_seed(seed)
+            shape_p = torch.zeros(len(SHAPES), dtype=torch.float64)
+            for (c, s), n in counts.items():
+                shape_p[s] += n
+            hues = torch.randint(HUES, (hue_tiles,), generator=g).tolist()
+            shapes = torch.multinomial(shape_p, hue_tiles, replacement=True, generator=g).tolist()
+            extra = [(len(COLOURS) + h, s) for h, s in zip(hues, shapes)]
+            self.pair_of_tile += extra
+            self.images = torch.cat([self.images, render_tiles(extra, seed, "train-hues")])
         self.seen = world.seen
         self.tiles_of_pair = [torch.tensor([i for i, q in enumerate(self.pair_of_tile) if q == p]) for p in self.seen]
+        colours = torch.tensor([p[0] for p in self.pair_of_tile])
+        self.colour_of_tile, self.shape_of_tile = colours, torch.tensor([p[1] for p in self.pair_of_tile])
+        self.tiles_of_colour = {c: torch.nonzero(colours == c).flatten() for c in colours.unique().tolist()}
 
     def __len__(self) -> int:
         return len(self.pair_of_tile)
@@ -129,9 +165,37 @@ class TilePool:
         return torch.stack([self.tiles_of_pair[k][int(u * len(self.tiles_of_pair[k]))]
                             for k, u in zip(which, picks.tolist())])
 
+    def same_colour(self, left: torch.Tensor, share: float, others: torch.Tensor,
+                    generator: torch.Generator) -> torch.Tensor:
+        """The burstiness lever: for each scene, with probability `share` a uniform tile of the colour of tile
+        `left[i]` as its partner, else `others[i]` (the stream's own draw)."""
+        bursty = (torch.rand(len(left), generator=generator) < share).tolist()
+        picks = torch.rand(len(left), generator=generator).tolist()
+        out = others.clone()
+        for i, (tile, flag, u) in enumerate(zip(left.tolist(), bursty, picks)):
+            if flag:
+                same = self.tiles_of_colour[int(self.colour_of_tile[tile])]
+                out[i] = same[int(u * len(same))]
+        return out
+
     def scenes(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         """(B, 3, 16, 32): tile `left[i]` beside tile `right[i]`."""
         return torch.cat([self.images[left], self.images[right]], dim=3)
+
+
+def rotate_hue(images: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """The latent-intervention lever: rotate the hue of each image (B, 3, H, W) in [-1, 1] by `turns` (B,) of a
+    full turn, about the grey axis of the YIQ colour space (greys, black and the light background stay put)."""
+    to_yiq = images.new_tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
+    angle = 2 * torch.pi * turns.to(images.dtype)
+    cos, sin = angle.cos(), angle.sin()
+    rotation = torch.zeros(len(images), 3, 3, dtype=images.dtype)
+    rotation[:, 0, 0] = 1
+    rotation[:, 1, 1], rotation[:, 1, 2], rotation[:, 2, 1], rotation[:, 2, 2] = cos, -sin, sin, cos
+    matrix = torch.linalg.inv(to_yiq) @ rotation @ to_yiq  # (B, 3, 3) in RGB
+    rgb = (images + 1) / 2
+    out = torch.einsum("bij,bjhw->bihw", matrix, rgb)
+    return (2 * out - 1).clamp(-1, 1)
 
 
 class WordEncoder:
@@ -143,16 +207,20 @@ class WordEncoder:
     LENGTH = 8
 
     def __init__(self, dim: int = 32, seed: int = 0):
-        self.vocab = {w: i for i, w in enumerate(("<end>", "a", "and") + COLOURS + SHAPES)}
+        words = ("<end>", "a", "and") + COLOURS + SHAPES
         g = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(len(self.vocab), dim, generator=g)
+        table = torch.randn(len(words), dim, generator=g)
         self.positions = 0.5 * torch.randn(self.LENGTH, dim, generator=g)
+        # the hue words come from a generator of their own: the other words' vectors do not depend on them
+        hues = torch.randn(HUES, dim, generator=torch.Generator().manual_seed(seed + 7919))
+        self.vocab = {w: i for i, w in enumerate(words + tuple(colour_word(len(COLOURS) + k) for k in range(HUES)))}
+        self.table = torch.cat([table, hues])
         self.dim, self.length = dim, self.LENGTH
 
     def encode(self, left: list[tuple[int, int]], right: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.vocab
-        ids = torch.tensor([[v["a"], v[COLOURS[a[0]]], v[SHAPES[a[1]]], v["and"],
-                             v["a"], v[COLOURS[b[0]]], v[SHAPES[b[1]]], v["<end>"]] for a, b in zip(left, right)])
+        ids = torch.tensor([[v["a"], v[colour_word(a[0])], v[SHAPES[a[1]]], v["and"],
+                             v["a"], v[colour_word(b[0])], v[SHAPES[b[1]]], v["<end>"]] for a, b in zip(left, right)])
         return self.table[ids] + self.positions, torch.ones(len(left), self.length)
 
     def null(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,6 +166,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[float, ...], r
 def render_objects(rng: random.Random, pairs: list[tuple[str, str]], resolution: int,
                    size_range: tuple[float, float] | None = None) -> tuple[Image.Image, list[dict[str, Any]]]:
     """Draw (shape, colour) pairs at random non-overlapping places on a light background (randomness from rng).
+    A colour is a name of COLOUR_RGB or an (r, g, b) tuple of 0–255 values.
 
     Returns the RGB image and the objects with shape, colour and pixel bbox.
     """
@@ -177,7 +178,8 @@ def render_objects(rng: random.Random, pairs: list[tuple[str, str]], resolution:
     draw = ImageDraw.Draw(img)
     objects = []
     for (shape, colour), box in zip(pairs, boxes):
-        _draw_shape(draw, shape, tuple(v * canvas for v in box), COLOUR_RGB[colour])
+        rgb = COLOUR_RGB[colour] if isinstance(colour, str) else tuple(int(v) for v in colour)
+        _draw_shape(draw, shape, tuple(v * canvas for v in box), rgb)
         bbox = [min(resolution, max(0, round(v * resolution))) for v in box]
         objects.append({"shape": shape, "colour": colour, "bbox": bbox})
     return img.resize((resolution, resolution), Image.Resampling.BOX), objects

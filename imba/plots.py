@@ -4,6 +4,9 @@
 - ``plot_monitor``: the IMBA monitor over training, one panel per stat, one line per bucket (``imba.monitor_plot``).
 - ``plot_grouped_bars``: grouped bars with confidence-interval whiskers (``bench/composition.py``).
 - ``plot_scatter_2d``: 2-D sample scatters, one panel each (``bench/toy2d.py``).
+- ``plot_block_diagnostics``: alignment and probe accuracy per network block, one line per bucket
+  (``imba.eval.representations.diagnose``).
+- ``plot_series``: panels of named point series, as lines or as scatter (``bench/composition.py``'s levers).
 
 Every function writes one PNG of exactly ``size`` pixels and returns its path. Head, torso and tail have the same
 colour in every figure (``BUCKET_COLOURS``, the colour-blind-safe Okabe–Ito blue, orange and bluish green).
@@ -253,6 +256,86 @@ def plot_grouped_bars(
         # below the panels: beside them, a one-panel figure's title would run into it
         fig.legend(handles=[Patch(color=colours[s], label=s) for s in series], loc="outside lower center",
                    ncols=min(len(series), 4), title="variant")
+        if title:
+            fig.suptitle(title)
+    return Path(path)
+
+
+def plot_block_diagnostics(
+    result: Mapping[str, Any],
+    path: str | os.PathLike,
+    title: str | None = "Representation diagnostics per block",
+    size: tuple[int, int] | None = None,
+) -> Path:
+    """What ``imba.eval.representations.diagnose`` returns, per block on x: linear CKA and mutual k-NN alignment
+    with the caption features, one line per bucket ("all" dashed), then one panel per probe with its accuracy on
+    each bucket's scored samples. A measure a bucket was too small for leaves a gap."""
+    blocks = result["blocks"]
+    if not blocks:
+        raise ValueError("plot_block_diagnostics: no blocks to draw")
+    probes = list(blocks[0]["probe"])
+    names = ordered_buckets(result["groups"])
+    x = np.arange(1, len(blocks) + 1)
+    panels = [("linear CKA with the caption", "cka", None), ("mutual k-NN with the caption", "mutual_knn", None)]
+    panels += [(f"linear probe for {p}: accuracy", "probe", p) for p in probes]
+    with _figure(path, size or (430 * len(panels), 420)) as fig:
+        axes = fig.subplots(1, len(panels), squeeze=False)[0]
+        for ax, (panel_title, key, probe) in zip(axes, panels):
+            lines = names if probe else ["all", *names]
+            for bucket in lines:
+                if probe:
+                    values = [b["probe"][probe].get("by_group", {}).get(bucket) for b in blocks]
+                else:
+                    values = [b[key].get(bucket) for b in blocks]
+                y = np.array([np.nan if v is None else v for v in values], dtype=float)
+                if np.isnan(y).all():
+                    continue
+                style = dict(color="black", linestyle="--") if bucket == "all" else dict(
+                    color=bucket_colour(bucket, names))
+                ax.plot(x, y, marker="o", linewidth=2, markersize=4, label=bucket.replace("_", " "), **style)
+            ax.set_ylim(0, 1.02)
+            ax.set_xticks(x)
+            ax.set_xlabel("block")
+            ax.set_title(panel_title)
+            ax.legend(title="bucket", loc="best")
+        if title:
+            fig.suptitle(title)
+    return Path(path)
+
+
+def plot_series(
+    panels: Mapping[str, Mapping[str, Any]],
+    path: str | os.PathLike,
+    ylabel: str,
+    title: str | None = None,
+    scatter: bool = False,
+    size: tuple[int, int] | None = None,
+) -> Path:
+    """One panel per key of ``panels`` ({panel title: {"xlabel": str, "series": {name: [(x, y), ...]}}}), one
+    colour per series name (the same in every panel), drawn as lines with markers or, with ``scatter``, as points.
+    ``size`` defaults to 460 x 420 pixels per panel plus a legend row below."""
+    names = list(dict.fromkeys(n for panel in panels.values() for n in panel["series"]))
+    if not names:
+        raise ValueError("plot_series: nothing to draw")
+    colours = {n: SERIES_COLOURS[i % len(SERIES_COLOURS)] for i, n in enumerate(names)}
+    legend_rows = -(-len(names) // 4)
+    with _figure(path, size or (max(460 * len(panels), 700), 420 + 26 * legend_rows + 40)) as fig:
+        axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
+        for ax, (panel_title, panel) in zip(axes, panels.items()):
+            for name, points in panel["series"].items():
+                points = [(x, y) for x, y in points if x is not None and y is not None]
+                if not points:
+                    continue
+                xs, ys = zip(*sorted(points) if not scatter else points)
+                if scatter:
+                    ax.scatter(xs, ys, color=colours[name], s=36, edgecolors="black", linewidths=0.5, zorder=2)
+                else:
+                    ax.plot(xs, ys, color=colours[name], marker="o", markersize=4, linewidth=2)
+            ax.set_title(panel_title)
+            ax.set_xlabel(panel["xlabel"])
+        axes[0].set_ylabel(ylabel)
+        fig.legend(handles=[Line2D([], [], color=colours[n], marker="o", linestyle="" if scatter else "-", label=n)
+                            for n in names], loc="outside lower center", ncols=min(len(names), 4))
         if title:
             fig.suptitle(title)
     return Path(path)

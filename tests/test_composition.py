@@ -14,8 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import composition  # noqa: E402
-from composition_scenes import (COLOURS, HELD_OUT, MIN_TILES, NOTHING, SHAPES, PairWorld, TilePool,  # noqa: E402
-                                WordEncoder, caption, judge, pair_name, render_tiles, train_oracle)
+from composition_diagnostics import pearson, world_features  # noqa: E402
+from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHAPES, PairWorld,  # noqa: E402
+                                TilePool, WordEncoder, caption, colour_value, judge, pair_name, render_tiles,
+                                rotate_hue, train_oracle)
 
 
 def test_world_holds_out_pairs_and_splits_the_seen_ones_in_thirds():
@@ -138,12 +140,94 @@ def test_importance_weights_turn_the_pool_into_the_balanced_stream_in_expectatio
     assert all(math.isclose(pairs.count(p) * w, len(pairs) / 3) for p, w in weights.items())
 
 
-def test_controls_train_on_to_the_equal_compute_lengths():
+def test_controls_and_levers_train_on_to_the_equal_compute_lengths():
     assert composition.train_lengths("plain", [1000]) == [1000, 1300, 2000]
     assert composition.train_lengths("plain_balanced_eps", [100, 200]) == [100, 130, 200, 260, 400]
     assert composition.train_lengths("imba_target", [1000]) == [1000]
+    assert composition.train_lengths("inverse_freq", [1000]) == [1000]  # a loss-side baseline, not a reference
+    assert composition.train_lengths("plain_hues", [1000], factors=(1.3,)) == [1000, 1300]
+    assert composition.train_lengths("plain", [1000], factors=()) == [1000]
     assert composition.relative_cost("imba_cond_tnorm_efficient") == 1.3
     assert composition.relative_cost("imba_sample") == 2.0 and composition.relative_cost("inverse_freq") == 1.0
+
+
+def test_hue_words_leave_the_named_words_and_positions_as_they_were():
+    text = WordEncoder(dim=8, seed=3)
+    base = len(("<end>", "a", "and") + COLOURS + SHAPES)
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(text.table[:base], torch.randn(base, 8, generator=g))
+    assert torch.equal(text.positions, 0.5 * torch.randn(8, 8, generator=g))
+    hue = (len(COLOURS) + 17, 2)
+    assert pair_name(hue) == "hue17 triangle" and caption(hue, (0, 0)) == "a hue17 triangle and a red circle"
+    embeds, _ = text.encode([hue], [(0, 0)])
+    assert torch.equal(embeds[0, 1], text.table[text.vocab["hue17"]] + text.positions[1])
+
+
+def test_the_colour_diversity_lever_adds_hue_tiles_with_the_worlds_shape_distribution():
+    world = PairWorld()
+    plain, hues = TilePool(world, seed=0, tiles=600), TilePool(world, seed=0, tiles=600, hue_tiles=2000)
+    assert len(hues) == len(plain) + 2000 and torch.equal(hues.images[:len(plain)], plain.images)
+    extra = hues.pair_of_tile[len(plain):]
+    assert all(len(COLOURS) <= c < len(COLOURS) + HUES for c, _ in extra)
+    assert len({c for c, _ in extra}) > HUES * 0.9
+    shape_share = [sum(s == k for _, s in extra) / len(extra) for k in range(len(SHAPES))]
+    pool_share = [sum(s == k for _, s in plain.pair_of_tile) / len(plain) for k in range(len(SHAPES))]
+    assert shape_share == pytest.approx(pool_share, abs=0.04)
+    # a hue tile is drawn in its hue: the object's pixels are far from the background and near the hue's RGB
+    index = next(i for i in range(len(plain), len(hues)) if hues.pair_of_tile[i][1] in (0, 1))  # circle, square
+    rgb = torch.tensor(colour_value(hues.pair_of_tile[index][0]), dtype=torch.float32) / 127.5 - 1
+    centre = hues.images[index][:, 7:9, 7:9].mean(dim=(1, 2))
+    assert torch.allclose(centre, rgb, atol=0.1)
+    assert len({colour_value(len(COLOURS) + k) for k in range(HUES)}) == HUES
+
+
+def test_the_burstiness_lever_gives_the_second_object_the_first_ones_colour():
+    pool = TilePool(PairWorld(), seed=0, tiles=600)
+    g = torch.Generator().manual_seed(0)
+    left, others = pool.draw(400, False, g), pool.draw(400, False, g)
+    always = pool.same_colour(left, 1.0, others, g)
+    assert torch.equal(pool.colour_of_tile[always], pool.colour_of_tile[left])
+    assert torch.equal(pool.same_colour(left, 0.0, others, g), others)
+    half = pool.same_colour(left, 0.5, others, g)
+    changed = (half != others).float().mean().item()
+    assert 0.35 < changed < 0.55  # ≈ half, minus the draws that already had that colour or tile
+
+
+def test_the_jitter_lever_rotates_hue_about_the_grey_axis():
+    pool = TilePool(PairWorld(), seed=0, tiles=300)
+    images = pool.images[:6]
+    assert torch.allclose(rotate_hue(images, torch.zeros(6)), images, atol=1e-5)
+    assert torch.allclose(rotate_hue(images, torch.ones(6)), images, atol=1e-5)  # a full turn
+    turned = rotate_hue(images, torch.full((6,), 0.1))
+    assert torch.allclose(rotate_hue(turned, torch.full((6,), -0.1)), images, atol=1e-4)
+    assert (turned - images).abs().max() > 0.2
+    grey = torch.full((1, 3, 2, 2), 0.3)
+    assert torch.allclose(rotate_hue(grey, torch.tensor([0.25])), grey, atol=1e-5)
+
+
+def test_world_features_read_the_probed_object_on_its_half_of_the_scene():
+    world, text = PairWorld(), WordEncoder(seed=0)
+    torch.manual_seed(0)
+    from models.dit import build_transformer
+
+    model = build_transformer("micro", 16, text.dim, in_channels=3, patch_size=4).eval()
+    blocks, caption_rows, labels, groups, seen = world_features(model, text, world, patch=4)
+    rows = len(world.pairs) * 4 * 2  # 4 prompts per pair, 2 noise draws each
+    assert len(blocks) == 4 and all(b.shape == (rows, 96) for b in blocks) and caption_rows.shape == (rows, 32)
+    assert groups.count("held_out") == len(HELD_OUT) * 8 and int(seen.sum()) == rows - len(HELD_OUT) * 8
+    # the caption features are the probed object's own words: colour word + shape word (+ their positions), so a
+    # linear probe reads colour and shape exactly, even for pairs never seen together
+    from imba.eval.representations import probe_gap
+
+    for name in ("colour", "shape"):
+        assert probe_gap(caption_rows, labels[name], seen)["ood_accuracy"] == 1.0
+
+
+def test_pearson_r_and_its_interval():
+    r, lo, hi = pearson([1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.1, 5.9, 8.2, 9.9])
+    assert r == pytest.approx(0.9988, abs=1e-3) and lo < r < hi <= 1
+    assert pearson([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) is None  # too few runs for an interval
+    assert pearson([1.0] * 5, [1.0, 2.0, 3.0, 4.0, 5.0]) is None
 
 
 def test_half_distances_split_the_token_grid_into_left_and_right():
@@ -231,13 +315,16 @@ def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, caps
     assert results["lengths"] == [4] and results["oracle"] == report
     assert {r["variant"] for r in results["runs"]} == {"plain", "plain_balanced", "imba_cond_tnorm", "inverse_freq"}
     for run in results["runs"]:
-        want = {"4", "5", "8"} if run["variant"].startswith("plain") else {"4"}
+        want = {"4", "8"} if run["variant"].startswith("plain") else {"4"}  # 8: imba_cond_tnorm's compute
         assert set(run["results"]) == want
+        assert 0 <= run["results"]["4"]["attribute_nmi"] < 1
+        assert len(run["results"]["4"]["diagnostics"]["blocks"]) == 4
         rates = run["results"]["4"]["per_pair"]
         assert len(rates) == 40 and all(r in (0.0, 0.5, 1.0) for r in rates.values())
         assert all(sum(kinds.values()) == 2 * (1 - rates[p]) for p, kinds in run["results"]["4"]["failures"].items())
-    assert set(results["summary"]) == {"4", "5", "8"}
+    assert set(results["summary"]) == {"4", "8"}
     assert "imba_cond_tnorm" in results["gap_closed"]["equal compute"]["4"]
+    assert (tmp_path / "models" / "plain-seed0-8" / "config.json").is_file()
     text = (tmp_path / "results.md").read_text()
     assert "| imba_cond_tnorm |" in text and "Failure kinds" in text
     assert (tmp_path / "composition.png").stat().st_size > 1000
@@ -252,6 +339,52 @@ def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, caps
     shutil.rmtree(tmp_path / "runs")
     assert composition.main(argv) == 0
     assert "reusing 4 finished runs" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_levers_smoke_run_reports_the_levers_and_diagnoses_a_saved_model(tmp_path, capsys):
+    oracle, report = train_oracle(steps=20, pool_size=200, test_size=50)
+    torch.save(oracle.state_dict(), tmp_path / "oracle.pt")
+    (tmp_path / "oracle.json").write_text(json.dumps(report))
+    argv = ["--levers", "--seeds", "0", "--steps", "4", "--per-pair", "2", "--pool", "300", "--batch-size", "4",
+            "--workers", "1", "--out", str(tmp_path)]
+    assert composition.main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(r["variant"] for r in results["runs"]) == sorted(composition.LEVER_VARIANTS)
+    lengths = {r["variant"]: set(r["results"]) for r in results["runs"]}
+    assert lengths["plain_jitter"] == {"4", "5"} and lengths["imba_target_tnorm_efficient"] == {"4"}
+    nmi = {r["variant"]: r["results"]["4"]["attribute_nmi"] for r in results["runs"]}
+    assert nmi["plain_hues"] != nmi["plain"]  # more colours, each seen with the world's shapes
+    summary = results["levers"]["summary"]["4"]
+    assert set(summary) == set(composition.LEVER_VARIANTS)
+    assert set(results["levers"]["relations"]["4"]) == {"attribute_nmi", "shape_probe_gap", "colour_probe_gap",
+                                                        "shape_probe_held_out", "cka_held_out"}
+    text = (tmp_path / "results.md").read_text()
+    assert "| plain_bursty @ 5 |" in text and "Does held-out composition track them?" in text
+    assert "| plain_hues @ 5 steps |" in text  # the levers at the efficient estimator's compute
+    for name in ("levers.png", "blocks.png"):
+        assert (tmp_path / name).stat().st_size > 5000
+    # the command on a model the benchmark saved
+    assert composition.main(["--diagnose", str(tmp_path / "models" / "plain_hues-seed0-5"),
+                             "--out", str(tmp_path / "diag")]) == 0
+    diag = json.loads((tmp_path / "diag" / "diagnostics.json").read_text())
+    assert diag["groups"] == {"head": 44, "torso": 48, "tail": 44, "held_out": 24} and diag["rows"] == 320
+    assert (tmp_path / "diag" / "diagnostics.png").stat().st_size > 5000
+    with pytest.raises(SystemExit, match="no saved model"):
+        composition.main(["--diagnose", str(tmp_path), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.slow
+def test_the_quick_levers_experiment(tmp_path):
+    """`python bench/composition.py --levers --quick`: the oracle, then the controls, the efficient IMBA form and
+    the three data levers for 400 steps on seed 0 (the plain-cost ones on to 520), tabulated with their NMI and
+    diagnostics."""
+    assert composition.main(["--levers", "--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["lengths"] == [400] and results["per_pair"] == 4
+    assert sorted(r["variant"] for r in results["runs"]) == sorted(composition.LEVER_VARIANTS)
+    assert set(results["levers"]["summary"]) == {"400", "520"}
+    assert "| plain_hues @ 400 |" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imba.eval.representations import attribute_nmi, linear_cka, mutual_knn, probe_gap, ridge_probe
+from imba.eval.representations import (attribute_nmi, diagnose, linear_cka, mutual_knn, mutual_knn_scores,
+                                       probe_gap, ridge_probe)
 
 
 def kernel_cka(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -102,6 +103,58 @@ def test_probe_measures_the_gap_a_shape_feature_opens_on_unseen_combinations():
     assert probe_gap(clean, colour, seen, seed=5)["id_samples"] == ok["id_samples"]
     with pytest.raises(ValueError, match="unseen"):
         probe_gap(clean, colour, torch.ones_like(seen))
+
+
+def test_probe_accuracy_by_group_counts_only_the_samples_it_scored():
+    colour = torch.tensor([0, 1] * 20)
+    features = torch.nn.functional.one_hot(colour, 2).double()
+    features[-4:] = features[-4:].flip(1)  # the last 4 (unseen) read as the other colour
+    seen = torch.arange(40) < 32
+    groups = ["head"] * 16 + ["tail"] * 16 + ["held_out"] * 8
+    out = probe_gap(features, colour, seen, groups=groups)
+    assert out["ood_accuracy"] == 0.5 and out["by_group"]["held_out"] == 0.5
+    assert out["by_group"]["head"] == out["by_group"]["tail"] == 1.0
+    with pytest.raises(ValueError, match="groups"):
+        probe_gap(features, colour, seen, groups=groups[:-1])
+
+
+def test_mutual_knn_scores_average_to_mutual_knn_and_keep_neighbours_from_the_whole_set():
+    x = torch.tensor([[0.0], [1.0], [3.0], [7.0]])
+    y = torch.tensor([[0.0], [5.0], [6.0], [8.0]])
+    scores = mutual_knn_scores(x, y, k=1, metric="euclidean")
+    assert scores.tolist() == [1.0, 0.0, 1.0, 1.0]  # from the worked example above: samples 0, 2, 3 agree
+    assert float(scores.mean()) == mutual_knn(x, y, k=1, metric="euclidean")
+
+
+def test_diagnose_aligns_prompts_probes_rows_and_splits_both_by_group():
+    g = torch.Generator().manual_seed(0)
+    prompts, draws = 30, 3
+    colour = torch.arange(prompts) % 3
+    text = torch.randn(prompts, 6, generator=g, dtype=torch.float64)
+    rows = lambda t: t.repeat_interleave(draws, dim=0)  # noqa: E731
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))
+    aligned = rows(text @ q) + 0.001 * torch.randn(prompts * draws, 6, generator=g, dtype=torch.float64)
+    unrelated = torch.randn(prompts * draws, 8, generator=g, dtype=torch.float64)
+    groups = [("head", "tail", "held_out")[i // 10] for i in range(prompts) for _ in range(draws)]
+    seen = torch.tensor([grp != "held_out" for grp in groups])
+    labels = {"colour": rows(colour)}
+    result = diagnose([aligned, unrelated], rows(text), labels, groups, seen, k=5, draws=draws)
+    assert result["prompts"] == 30 and result["rows"] == 90 and result["groups"] == {"head": 10, "tail": 10,
+                                                                                    "held_out": 10}
+    first, second = result["blocks"]
+    # over prompts: the draw-averaged features of a rotation of the text align with it, noise does not
+    per_prompt = aligned.reshape(prompts, draws, -1).mean(dim=1)
+    assert first["cka"]["tail"] == pytest.approx(linear_cka(per_prompt[10:20], text[10:20]), rel=1e-12)
+    assert first["cka"]["all"] > 0.99 and second["cka"]["all"] < 0.5
+    assert first["mutual_knn"]["all"] > 0.95 and second["mutual_knn"]["all"] < 0.4
+    scores = mutual_knn_scores(per_prompt, text, k=5)
+    assert first["mutual_knn"]["head"] == pytest.approx(float(scores[:10].mean()), rel=1e-12)
+    probe = first["probe"]["colour"]
+    assert probe["ood_samples"] == 30 and set(probe["by_group"]) == {"head", "tail", "held_out"}
+    with pytest.raises(ValueError, match="whole number"):
+        diagnose([aligned[:-1]], rows(text)[:-1], {}, groups[:-1], seen[:-1], draws=draws)
+    with pytest.raises(ValueError, match="group"):
+        diagnose([aligned], rows(text), {}, ["tail"] + groups[1:], seen, draws=draws)
 
 
 def test_ridge_probe_is_scale_free_and_exact_on_separable_points():

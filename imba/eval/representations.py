@@ -11,6 +11,8 @@ concept carries over from seen to unseen concept combinations. Features are (n, 
 - `probe_gap(features, labels, seen)`: a ridge-regression linear probe for `labels`, fitted on part of the seen
   samples (e.g. images of concept pairs in the training data) and scored on the other seen samples (in
   distribution) and on the unseen ones (held-out pairs): the ID/OOD accuracy gap of feature-contamination work.
+- `diagnose(blocks, text, labels, groups, seen)`: all of the above for each block of a network, overall and per
+  group of samples (head / torso / tail / held-out concept buckets).
 - `attribute_nmi(joint)`: the normalised mutual information of two attributes (e.g. colour and shape) from
   their joint counts in a training set, 2 I(A; B) / (H(A) + H(B)): 0 when independent, 1 when each determines
   the other; the data-side predictor of held-out composition in the work on data distributional properties.
@@ -22,7 +24,8 @@ import math
 
 import torch
 
-__all__ = ["linear_cka", "mutual_knn", "ridge_probe", "probe_gap", "attribute_nmi"]
+__all__ = ["linear_cka", "mutual_knn", "mutual_knn_scores", "ridge_probe", "probe_gap", "diagnose",
+           "attribute_nmi"]
 
 
 def _matrix(name: str, x: torch.Tensor, rows: int | None = None, min_rows: int = 2) -> torch.Tensor:
@@ -61,8 +64,9 @@ def _neighbours(x: torch.Tensor, k: int, metric: str) -> torch.Tensor:
     return score.topk(k, dim=1).indices
 
 
-def mutual_knn(x: torch.Tensor, y: torch.Tensor, k: int = 10, metric: str = "cosine") -> float:
-    """Mutual k-NN alignment of two feature sets of the same n samples; in [0, 1]."""
+def mutual_knn_scores(x: torch.Tensor, y: torch.Tensor, k: int = 10, metric: str = "cosine") -> torch.Tensor:
+    """Per sample i, |knn_x(i) ∩ knn_y(i)| / k over the whole set: (n,) float64. Averaging it over a subset gives
+    that subset's alignment with neighbours still drawn from every sample (same k, same chance level)."""
     x = _matrix("x", x)
     y = _matrix("y", y, x.shape[0])
     n = x.shape[0]
@@ -70,8 +74,12 @@ def mutual_knn(x: torch.Tensor, y: torch.Tensor, k: int = 10, metric: str = "cos
         raise ValueError(f"k must be in [1, n - 1] = [1, {n - 1}] (got {k})")
     nx, ny = _neighbours(x, k, metric), _neighbours(y, k, metric)
     in_x = torch.zeros(n, n, dtype=torch.bool).scatter_(1, nx, True)
-    shared = in_x.gather(1, ny).sum(dim=1)
-    return float(shared.double().mean() / k)
+    return in_x.gather(1, ny).sum(dim=1).double() / k
+
+
+def mutual_knn(x: torch.Tensor, y: torch.Tensor, k: int = 10, metric: str = "cosine") -> float:
+    """Mutual k-NN alignment of two feature sets of the same n samples; in [0, 1]."""
+    return float(mutual_knn_scores(x, y, k, metric).mean())
 
 
 def ridge_probe(x: torch.Tensor, labels: torch.Tensor, ridge: float = 1e-3):
@@ -101,9 +109,11 @@ def ridge_probe(x: torch.Tensor, labels: torch.Tensor, ridge: float = 1e-3):
 
 
 def probe_gap(features: torch.Tensor, labels: torch.Tensor, seen: torch.Tensor, fit_fraction: float = 0.5,
-              seed: int = 0, ridge: float = 1e-3) -> dict[str, float]:
+              seed: int = 0, ridge: float = 1e-3, groups: list[str] | None = None) -> dict:
     """Fit `ridge_probe` on a `fit_fraction` of the seen samples (drawn with `seed`), then score it on the rest of
-    the seen samples ("id_accuracy") and on all unseen ones ("ood_accuracy"); "gap" = id − ood."""
+    the seen samples ("id_accuracy") and on all unseen ones ("ood_accuracy"); "gap" = id − ood. With `groups` (a
+    name per sample, e.g. its concept bucket), "by_group" holds the accuracy over each group's scored samples
+    (the ones not fitted on)."""
     features = _matrix("features", features)
     labels = torch.as_tensor(labels).long().cpu()
     seen = torch.as_tensor(seen).bool().cpu()
@@ -123,8 +133,64 @@ def probe_gap(features: torch.Tensor, labels: torch.Tensor, seen: torch.Tensor, 
     predict = ridge_probe(features[fit], labels[fit], ridge)
     id_acc = float((predict(features[held]) == labels[held]).double().mean())
     ood_acc = float((predict(features[unseen_idx]) == labels[unseen_idx]).double().mean())
-    return {"id_accuracy": id_acc, "ood_accuracy": ood_acc, "gap": id_acc - ood_acc, "fit_samples": len(fit),
-            "id_samples": len(held), "ood_samples": len(unseen_idx)}
+    out = {"id_accuracy": id_acc, "ood_accuracy": ood_acc, "gap": id_acc - ood_acc, "fit_samples": len(fit),
+           "id_samples": len(held), "ood_samples": len(unseen_idx)}
+    if groups is not None:
+        if len(groups) != features.shape[0]:
+            raise ValueError(f"groups names {len(groups)} samples, features hold {features.shape[0]}")
+        scored = torch.cat([held, unseen_idx])
+        right = predict(features[scored]) == labels[scored]
+        by_group: dict[str, list[bool]] = {}
+        for i, ok in zip(scored.tolist(), right.tolist()):
+            by_group.setdefault(groups[i], []).append(ok)
+        out["by_group"] = {g: sum(v) / len(v) for g, v in by_group.items()}
+    return out
+
+
+def diagnose(blocks: list[torch.Tensor], text: torch.Tensor, labels: dict[str, torch.Tensor], groups: list[str],
+             seen: torch.Tensor, k: int = 10, seed: int = 0, draws: int = 1) -> dict:
+    """Alignment and probes per block of a network, overall and per group of prompts (e.g. concept buckets).
+
+    Rows are prompt × draws + draw (several noise draws per prompt, as `models.dit_features.prompt_features`
+    returns them): `blocks` holds one (rows, d) feature set per block, `text` the (rows, D) features to align them
+    with (the caption embeddings, the same for every draw of a prompt), `labels` one (rows,) integer label per
+    probe (e.g. {"colour": ..., "shape": ...}), `groups` a name per row and `seen` (rows,) which rows' concepts the
+    training data showed together.
+    - Alignment is over prompts: each block's features are averaged over a prompt's draws. Linear CKA is computed
+      within each group (None under 3 prompts); mutual k-NN takes neighbours among all prompts and averages the
+      per-prompt scores over each group (`mutual_knn_scores`).
+    - Probes are over rows: `probe_gap` with the groups, so "by_group" holds each group's scored accuracy.
+    Returns {"blocks": [{"cka": {"all", <group>...}, "mutual_knn": {...}, "probe": {name: probe_gap(...)}}],
+    "prompts", "rows", "groups": {name: prompts}}."""
+    rows = text.shape[0]
+    if draws < 1 or rows % draws:
+        raise ValueError(f"{rows} rows are not a whole number of prompts × {draws} draws")
+    if len(groups) != rows:
+        raise ValueError(f"groups names {len(groups)} rows, text features hold {rows}")
+    n = rows // draws
+    prompt_groups = groups[::draws]
+    if any(groups[i] != prompt_groups[i // draws] for i in range(rows)):
+        raise ValueError("every draw of a prompt must be in the prompt's group")
+    prompt_text = _matrix("text", text, rows)[::draws]
+    members = {"all": torch.arange(n)}
+    for name in dict.fromkeys(prompt_groups):
+        members[name] = torch.tensor([i for i, g in enumerate(prompt_groups) if g == name])
+    out = []
+    for features in blocks:
+        features = _matrix("block features", features, rows)
+        per_prompt = features.reshape(n, draws, -1).mean(dim=1)
+        scores = mutual_knn_scores(per_prompt, prompt_text, k) if n >= k + 1 else None
+        cka, knn = {}, {}
+        for name, idx in members.items():
+            x, y = per_prompt[idx], prompt_text[idx]
+            constant = len(idx) < 3 or bool((x == x[0]).all()) or bool((y == y[0]).all())
+            cka[name] = None if constant else linear_cka(x, y)
+            knn[name] = None if scores is None else float(scores[idx].mean())
+        probes = {label: probe_gap(features, values, seen, seed=seed, groups=groups)
+                  for label, values in labels.items()}
+        out.append({"cka": cka, "mutual_knn": knn, "probe": probes})
+    return {"blocks": out, "prompts": n, "rows": rows,
+            "groups": {g: len(idx) for g, idx in members.items() if g != "all"}}
 
 
 def attribute_nmi(joint: torch.Tensor) -> float:
