@@ -562,6 +562,26 @@ LEVER_COLUMNS = ("head", "tail", "held_out", "attribute_nmi", "colour_probe_held
                  "shape_probe_gap", "cka_tail", "cka_held_out")
 
 
+def levers_against_imba(runs: list[dict], world: PairWorld, lengths: list[int]) -> dict:
+    """Each data lever against each IMBA variant at equal compute: the lever trained to length × the IMBA step's
+    cost against the IMBA variant at the length, per bucket the mean ± 95 % CI of the per-seed differences.
+    {length: {"<lever> vs <imba>": {"lever_steps", "seeds", "buckets": {bucket: (mean, ci)}}}}."""
+    seeds_of = per_seed(runs, world)
+    out: dict = {}
+    for lever in (v for v in seeds_of if is_lever(v)):
+        for imba in (v for v in seeds_of if relative_cost(v) > 1 and objective_of(v) == objective_of(lever)):
+            for length in lengths:
+                steps = equal_compute_steps(length, relative_cost(imba))
+                mine, theirs = seeds_of[lever].get(steps), seeds_of[imba].get(length)
+                if not (mine and theirs):
+                    continue
+                seeds = sorted(set(mine) & set(theirs))
+                out.setdefault(length, {})[f"{lever} vs {imba}"] = {
+                    "lever_steps": steps, "seeds": seeds,
+                    "buckets": {b: mean_ci([mine[s][b] - theirs[s][b] for s in seeds]) for b in (*BUCKETS, "all_seen")}}
+    return out
+
+
 def levers_summary(runs: list[dict], world: PairWorld) -> dict:
     """{length: {variant: {number: (mean, ci)}}} of `run_numbers` over seeds, and the relations across runs
     ({length: relations(...)}) between held-out success and the data and representation numbers."""
@@ -602,6 +622,14 @@ def levers_report(levers: dict, variants: list[str]) -> str:
                 shown.append("—" if mean is None else (f"{scale * mean:.1f} ± {scale * ci:.1f}" if scale == 100
                                                         else f"{mean:.3f} ± {ci:.3f}"))
             lines.append(f"| {variant} @ {length} | " + " | ".join(shown) + " |")
+    for length, rows in sorted(levers.get("against_imba", {}).items()):
+        lines.append(f"\n**Data levers against IMBA at equal compute, {length} IMBA steps** (lever − IMBA in points, "
+                     "± 95 % CI of the per-seed differences)\n")
+        lines.append("| lever vs IMBA form | lever steps | " + " | ".join(BUCKETS) + " |")
+        lines.append("|---" * (len(BUCKETS) + 2) + "|")
+        for name, row in rows.items():
+            lines.append(f"| {name} | {row['lever_steps']} | " + " | ".join(_pct(row["buckets"][b]) for b in BUCKETS)
+                         + " |")
     lines.append("\n**Does held-out composition track them?** (Pearson r across every run at one length, "
                  "[95 % interval])\n")
     lines.append("| steps | " + " | ".join(levers_relations_columns()) + " |")
@@ -737,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = failure_table(runs, world, lengths[-1])
     report = markdown_report(summary, gaps, failures, variants, lengths, len(seeds))
     levers = levers_summary(runs, world)
+    levers["against_imba"] = levers_against_imba(runs, world, lengths)
     if levers["summary"]:
         report += levers_report(levers, variants)
         levers_plots(levers, runs, variants, args.out)
@@ -758,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
         "gap_closed": {t: {str(k): v for k, v in table.items()} for t, table in gaps.items()},
         "failures": failures, "distance_curves": curves, "runs": runs,
         "levers": {"summary": {str(k): v for k, v in levers["summary"].items()},
-                   "relations": {str(k): v for k, v in levers["relations"].items()}},
+                   "relations": {str(k): v for k, v in levers["relations"].items()},
+                   "against_imba": {str(k): v for k, v in levers["against_imba"].items()}},
     }
     results_path.write_text(json.dumps(payload, indent=1))
     (args.out / "results.md").write_text(report)

@@ -331,6 +331,8 @@ def plot_series(
                     ax.scatter(xs, ys, color=colours[name], s=36, edgecolors="black", linewidths=0.5, zorder=2)
                 else:
                     ax.plot(xs, ys, color=colours[name], marker="o", markersize=4, linewidth=2)
+            if all(float(x).is_integer() for points in panel["series"].values() for x, _ in points if x is not None):
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_title(panel_title)
             ax.set_xlabel(panel["xlabel"])
         axes[0].set_ylabel(ylabel)

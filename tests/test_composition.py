@@ -250,6 +250,23 @@ def _runs(world, values):
     return list(runs.values())
 
 
+def test_levers_are_compared_with_each_imba_form_at_its_compute():
+    world = PairWorld()
+    runs = _runs(world, {("plain_hues", 100): {0: 0.2, 1: 0.3}, ("plain_hues", 130): {0: 0.5, 1: 0.7},
+                         ("plain_hues", 200): {0: 0.9, 1: 0.9},
+                         ("imba_target_tnorm_efficient", 100): {0: 0.4, 1: 0.4},
+                         ("imba_target", 100): {0: 0.6, 1: 0.8}, ("plain", 100): {0: 0.1, 1: 0.1}})
+    table = composition.levers_against_imba(runs, world, [100])[100]
+    assert set(table) == {"plain_hues vs imba_target_tnorm_efficient", "plain_hues vs imba_target"}
+    efficient = table["plain_hues vs imba_target_tnorm_efficient"]
+    assert efficient["lever_steps"] == 130 and efficient["seeds"] == [0, 1]
+    mean, half = efficient["buckets"]["tail"]
+    assert mean == pytest.approx(0.2) and half == pytest.approx(12.706 * 0.1, rel=1e-9)  # diffs 0.1 and 0.3
+    assert table["plain_hues vs imba_target"]["lever_steps"] == 200
+    assert table["plain_hues vs imba_target"]["buckets"]["tail"][0] == pytest.approx(0.2)
+    assert efficient["buckets"]["head"] == (0.0, 0.0)
+
+
 def test_summary_and_gap_closed_pair_the_seeds_and_use_the_equal_compute_controls():
     world = PairWorld()
     runs = _runs(world, {
@@ -362,6 +379,9 @@ def test_levers_smoke_run_reports_the_levers_and_diagnoses_a_saved_model(tmp_pat
     text = (tmp_path / "results.md").read_text()
     assert "| plain_bursty @ 5 |" in text and "Does held-out composition track them?" in text
     assert "| plain_hues @ 5 steps |" in text  # the levers at the efficient estimator's compute
+    against = results["levers"]["against_imba"]["4"]["plain_jitter vs imba_target_tnorm_efficient"]
+    assert against["lever_steps"] == 5 and against["seeds"] == [0]
+    assert "| plain_jitter vs imba_target_tnorm_efficient | 5 |" in text
     for name in ("levers.png", "blocks.png"):
         assert (tmp_path / name).stat().st_size > 5000
     # the command on a model the benchmark saved
