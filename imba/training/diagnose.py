@@ -32,7 +32,7 @@ import torch
 from imba.eval.representations import diagnose
 from imba.eval.summary import BUCKET_ORDER
 from imba.training.sample import (DEFAULT_MAX_TEXT_TOKENS, SAMPLE_DTYPES, SampleError, load_prompt_file,
-                                  resolve_model)
+                                  open_pipeline, resolve_model)
 
 __all__ = ["prompt_groups", "probe_labels", "main"]
 
@@ -111,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from models.dit_features import prompt_features
     from models.pipeline import PIPELINES, pipeline_kind_of
 
-    kind = pipeline_kind_of(model) or "alpha"
-    try:
-        pipe = PIPELINES[kind].from_pretrained(model, dtype=SAMPLE_DTYPES[args.dtype])
-    except (OSError, ValueError) as err:
-        raise SampleError(f"cannot load a {PIPELINES[kind].__name__} from {model!r}: "
-                          f"{str(err).splitlines()[0]}") from err
-    pipe.to(device)
+    pipe = open_pipeline(model, SAMPLE_DTYPES[args.dtype], device, PIPELINES[pipeline_kind_of(model) or "alpha"])
     tokens = args.max_text_tokens or run_tokens or DEFAULT_MAX_TEXT_TOKENS
     with torch.no_grad():
         embeds, mask, _, _ = pipe.encode_prompt([e["prompt"] for e in entries], do_classifier_free_guidance=False,

@@ -95,6 +95,21 @@ def resolve_model(spec: str) -> tuple[str, int | None]:
     return spec, None  # a hub id; from_pretrained reports what it cannot find
 
 
+def open_pipeline(model: str, dtype: torch.dtype, device: str, pipeline_class=None):
+    """The pipeline `model` (what `resolve_model` returned) on `device`, without progress bars; a load failure is
+    one line. `pipeline_class` defaults to PixArtAlphaPipeline."""
+    from diffusers import PixArtAlphaPipeline
+
+    cls = pipeline_class or PixArtAlphaPipeline
+    try:
+        pipe = cls.from_pretrained(model, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise SampleError(f"cannot load a {cls.__name__} from {model!r}: {str(err).splitlines()[0]}") from err
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def load_prompt_file(path: Path) -> list[dict]:
     """[{"prompt": ..., **other fields}] from a .txt, .json or .jsonl prompt file."""
     if not path.is_file():
@@ -199,14 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = SAMPLE_DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
 
-    from diffusers import PixArtAlphaPipeline
-
-    try:
-        pipe = PixArtAlphaPipeline.from_pretrained(model, dtype=dtype)
-    except (OSError, ValueError) as err:
-        raise SampleError(f"cannot load a PixArtAlphaPipeline from {model!r}: {str(err).splitlines()[0]}") from err
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = open_pipeline(model, dtype, device)
     resolution = args.resolution or pipe.transformer.config.sample_size * pipe.vae_scale_factor
     if resolution % (pipe.vae_scale_factor * pipe.transformer.config.patch_size):
         raise SampleError(f"--resolution {resolution} must be a multiple of "
