@@ -1,7 +1,7 @@
 """Synthetic composition benchmark: does IMBA close the gap that data imbalance opens? (paper Tab. 1/3)
 
-    python bench/composition.py                 # control, plain and three IMBA forms × 3 seeds (91 min, 2 cores)
-    python bench/composition.py --variants all  # every form in VARIANTS (≈ 4.5 h on 2 cores)
+    python bench/composition.py                 # control, plain and three IMBA forms × 3 seeds (54 min, 2 cores)
+    python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
     python bench/composition.py --quick         # 1 seed, plain / plain_balanced / the best IMBA form, 1,000 steps
     python bench/composition.py --variants plain plain_balanced imba_cond --seeds 0 1 --steps 600
 
@@ -19,8 +19,10 @@ pool, initial weights and optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32
 0.999 with its default warm-up); the variants differ in their loss, objective or stream (VARIANTS).
 
 Evaluation after each length: for each of the 40 pairs, N two-object prompts with the pair on one side and a head
-pair on the other; N samples from the EMA weights (DPM-Solver++ 20 steps, classifier-free guidance 3). A prompt
-succeeds when the oracle reads both objects right. Reported per bucket of the probed pair (head / torso / tail by
+pair on the other; N samples from the EMA weights (DPM-Solver++ 10 steps, classifier-free guidance 3). A prompt
+succeeds when the oracle reads both objects right. The oracle is shipped (`bench/composition_oracle.pt`, its accuracy
+beside it in `composition_oracle.json`), so every run is judged by the same weights; `--train-oracle` trains one
+anew. Reported per bucket of the probed pair (head / torso / tail by
 training frequency, held-out): mean over seeds with a 95 % t interval, and the failure kinds. Logged during
 training: the IMBA distance per bucket (the paper's Fig. 6 monitor), from the tokens of each object's half.
 """
@@ -80,8 +82,8 @@ VARIANTS = {
     "plain_bursty": dict(kind="plain", bursty=0.5),
     "plain_jitter": dict(kind="plain", jitter=0.05),
 }
-# the default takes 91 min on 2 cores (measured from nothing, bench/README.md); `--variants all` runs every
-# form (≈ 4.5 h)
+# the default takes 54 min on 2 cores (measured from nothing, bench/README.md); `--variants all` runs every
+# form (hours)
 DEFAULT_VARIANTS = ["plain", "plain_balanced", "imba_target", "imba_target_tnorm", "imba_target_tnorm_efficient"]
 QUICK_VARIANTS = ["plain", "plain_balanced", "imba_target_tnorm"]  # the control, and the best IMBA form measured
 # the data-levers experiment (`--levers`): the controls, the IMBA form to compare at equal compute, the three levers
@@ -93,6 +95,10 @@ LEVERS = ("hues", "bursty", "jitter")
 CONTROLS = {"flow": ("plain", "plain_balanced"), "ddpm": ("plain_eps", "plain_balanced_eps")}
 PATCH = 4
 MONITOR_EVERY = 50  # steps per point of the distance-per-bucket curve
+# DPM-Solver++ steps per evaluation sample: reading the same noise at 10 and at 20 steps moved bucket success by
+# at most 2.0 points on six saved models (bench/README.md, "Time."), at half the cost
+SAMPLING_STEPS = 10
+ORACLE = REPO / "bench" / "composition_oracle.pt"  # the judge's weights; its report: the same name with .json
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -161,8 +167,8 @@ def probe_prompts(world: PairWorld, per_pair: int) -> list[tuple[tuple[int, int]
 
 
 @torch.no_grad()
-def generate(model, objective, text: WordEncoder, left, right, seed: int, steps: int = 20, guidance: float = 3.0,
-             batch_size: int = 256) -> torch.Tensor:
+def generate(model, objective, text: WordEncoder, left, right, seed: int, steps: int = SAMPLING_STEPS,
+             guidance: float = 3.0, batch_size: int = 256) -> torch.Tensor:
     """Classifier-free-guided scenes, one per (left, right) prompt; scene i's noise depends only on (seed, i)."""
     from models.dit import predict
 
@@ -184,11 +190,12 @@ def generate(model, objective, text: WordEncoder, left, right, seed: int, steps:
     return torch.cat(images)
 
 
-def evaluate(model, objective, text, oracle: Oracle, world: PairWorld, per_pair: int, seed: int):
+def evaluate(model, objective, text, oracle: Oracle, world: PairWorld, per_pair: int, seed: int,
+             sampling_steps: int = SAMPLING_STEPS):
     """Per probed pair (keyed by its name): success rate and the count of each failure kind; and the scenes."""
     prompts = probe_prompts(world, per_pair)
     left, right = [p[1] for p in prompts], [p[2] for p in prompts]
-    images = generate(model, objective, text, left, right, seed)
+    images = generate(model, objective, text, left, right, seed, steps=sampling_steps)
     colours, shapes = oracle.read_scenes(images)
     ok, kinds = judge(colours, shapes, left, right)
     success, failures = {}, {}
@@ -306,7 +313,7 @@ def run_one(job: dict) -> dict:
             ema.copy_to(model.parameters())
             model.eval()
             per_pair, failures, images = evaluate(model, objective, text, oracle, world, job["per_pair"],
-                                                  seed=1000 + seed)
+                                                  seed=1000 + seed, sampling_steps=job["sampling_steps"])
             if job.get("grid_dir") and step == lengths[-1]:
                 save_grid(images, job["per_pair"], Path(job["grid_dir"]) / f"samples_{variant}_{step}.png")
             diagnostics = world_diagnostics(model, text, world, PATCH, seed=seed)
@@ -321,7 +328,7 @@ def run_one(job: dict) -> dict:
             "distance_curve": curve}
 
 
-JOB_SETTINGS = ("steps", "per_pair", "batch_size", "pool")
+JOB_SETTINGS = ("steps", "per_pair", "sampling_steps", "batch_size", "pool")
 
 
 def _run_path(runs_dir: Path, variant: str, seed: int) -> Path:
@@ -696,6 +703,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-equal-compute", action="store_true",
                         help="do not train the controls on to 1.3× and 2× the lengths (the default with --quick)")
     parser.add_argument("--per-pair", type=int, default=None, help="samples per pair (default 16; quick: 8)")
+    parser.add_argument("--sampling-steps", type=int, default=SAMPLING_STEPS,
+                        help=f"DPM-Solver++ steps per evaluation sample (default {SAMPLING_STEPS})")
+    parser.add_argument("--oracle", type=Path, default=ORACLE,
+                        help="the judge's weights, its report beside them as .json (default: the shipped oracle)")
+    parser.add_argument("--train-oracle", action="store_true",
+                        help="train the oracle anew into OUT/oracle.pt (+ .json) and judge with it (≈ 1.5 min)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--pool", type=int, default=8192, help="tiles in the training pool per seed")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
@@ -718,19 +731,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     torch.set_num_threads(max(1, args.workers))
-    oracle_path = args.out / "oracle.pt"
-    oracle_report_path = args.out / "oracle.json"
-    if oracle_path.is_file() and oracle_report_path.is_file():
-        oracle_report = json.loads(oracle_report_path.read_text())
-    else:
+    oracle_path = args.out / "oracle.pt" if args.train_oracle else args.oracle
+    if args.train_oracle:
         oracle, oracle_report = train_oracle()
         torch.save(oracle.state_dict(), oracle_path)
-        oracle_report_path.write_text(json.dumps(oracle_report, indent=1))
+        oracle_path.with_suffix(".json").write_text(json.dumps(oracle_report, indent=1))
+    elif not (oracle_path.is_file() and oracle_path.with_suffix(".json").is_file()):
+        raise SystemExit(f"no oracle at {oracle_path} (weights and its .json report); pass --train-oracle")
+    oracle_report = json.loads(oracle_path.with_suffix(".json").read_text())
     print(f"oracle: {100 * oracle_report['pair_accuracy']:.2f} % of {oracle_report['test_tiles']} fresh tiles read "
           f"right ({100 * oracle_report['empty_accuracy']:.2f} % of empty ones)", flush=True)
 
     jobs = [dict(variant=v, seed=s, steps=train_lengths(v, lengths, equal_compute, factors), per_pair=per_pair,
-                 batch_size=args.batch_size, pool=args.pool, oracle=str(oracle_path),
+                 sampling_steps=args.sampling_steps, batch_size=args.batch_size, pool=args.pool,
+                 oracle=str(oracle_path),
                  grid_dir=str(args.out) if s == seeds[0] else None, models_dir=str(args.out / "models"))
             for s in seeds for v in variants]
     jobs.sort(key=lambda j: -relative_cost(j["variant"]) * max(j["steps"]))  # longest first: better packing
@@ -779,8 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "command": "python bench/composition.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "attribute_nmi": nmi,
-        "seeds": seeds, "lengths": lengths, "per_pair": per_pair, "variants": variants,
-        "oracle": oracle_report, "wall_seconds": time.perf_counter() - started,
+        "seeds": seeds, "lengths": lengths, "per_pair": per_pair, "sampling_steps": args.sampling_steps,
+        "variants": variants, "oracle": oracle_report, "wall_seconds": time.perf_counter() - started,
         "buckets": {pair_name(p): b for p, b in world.buckets.items()},
         "pool_tiles": {pair_name(p): n for p, n in world.pool_counts(args.pool).items()},
         "summary": {str(k): v for k, v in summary.items()},

@@ -337,15 +337,22 @@ def train_oracle(steps: int = 1200, batch_size: int = 128, seed: int = 0, pool_s
         opt.zero_grad()
         loss.backward()
         opt.step()
-    test_tiles = _uniform_tiles(test_size, g, empty_share)
+    return oracle, oracle_accuracy(oracle, g, seed, test_size, empty_share)
+
+
+def oracle_accuracy(oracle: Oracle, generator: torch.Generator, seed: int, test_size: int = 3000,
+                    empty_share: float = 0.1) -> dict:
+    """Share of fresh uniformly drawn tiles the oracle reads right (all tiles, object tiles, empty ones), clean
+    and degraded; the tiles are drawn from `generator` and rendered from `seed`."""
+    test_tiles = _uniform_tiles(test_size, generator, empty_share)
     test = render_tiles(test_tiles, seed, "oracle-test")
     want_c, want_s = _labels(test_tiles)
     obj = want_s != NOTHING
     report = {"test_tiles": test_size}
-    for name, images in (("", test), ("_degraded", _degrade(test, g))):
+    for name, images in (("", test), ("_degraded", _degrade(test, generator))):
         got_c, got_s = oracle.read_tiles(images)
         right = (got_s == want_s) & ((got_c == want_c) | ~obj)
         report[f"tile_accuracy{name}"] = right.float().mean().item()
         report[f"pair_accuracy{name}"] = right[obj].float().mean().item()
         report[f"empty_accuracy{name}"] = right[~obj].float().mean().item()
-    return oracle, report
+    return report
