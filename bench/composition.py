@@ -731,13 +731,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     torch.set_num_threads(max(1, args.workers))
-    oracle_path = args.out / "oracle.pt" if args.train_oracle else args.oracle
     if args.train_oracle:
+        oracle_path = args.out / "oracle.pt"
         oracle, oracle_report = train_oracle()
         torch.save(oracle.state_dict(), oracle_path)
         oracle_path.with_suffix(".json").write_text(json.dumps(oracle_report, indent=1))
-    elif not (oracle_path.is_file() and oracle_path.with_suffix(".json").is_file()):
-        raise SystemExit(f"no oracle at {oracle_path} (weights and its .json report); pass --train-oracle")
+    else:
+        oracle_path = args.oracle
+        if not (oracle_path.is_file() and oracle_path.with_suffix(".json").is_file()):
+            raise SystemExit(f"no oracle at {oracle_path} (weights and its .json report); pass --train-oracle")
     oracle_report = json.loads(oracle_path.with_suffix(".json").read_text())
     print(f"oracle: {100 * oracle_report['pair_accuracy']:.2f} % of {oracle_report['test_tiles']} fresh tiles read "
           f"right ({100 * oracle_report['empty_accuracy']:.2f} % of empty ones)", flush=True)
