@@ -400,7 +400,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, required=True, help="data.resolution of the training config")
     p.add_argument("--vae", default="shapes", help="model.vae: hub id, local folder, 'shapes' or 'tiny'")
     p.add_argument("--vae-subfolder", default="", help="model.vae_subfolder")
-    p.add_argument("--text-encoder", default="tiny", help="model.text_encoder: hub id, local folder or 'tiny'")
+    p.add_argument("--text-encoder", default="tiny",
+                   help="model.text_encoder: hub id, local folder, 'tiny-words' or 'tiny'")
     p.add_argument("--text-encoder-subfolder", default="", help="model.text_encoder_subfolder")
     p.add_argument("--tokenizer-subfolder", default="", help="model.tokenizer_subfolder")
     p.add_argument("--encoder-dtype", default="float32", choices=sorted(_encoder_dtypes()),

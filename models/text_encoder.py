@@ -4,20 +4,41 @@ Real runs load T5 v1.1 XXL (4096-d) from a hub id or a local folder, e.g. `googl
 `text_encoder`/`tokenizer` subfolders of a PixArt repository. `"tiny"` builds a small random T5 encoder with a
 byte-level tokenizer (`ByT5Tokenizer`, which needs no vocabulary file): the same classes, no download, for tests and
 the CPU default run. Its weights come from a fixed seed, so every process and every resume gets the same encoder.
+`"tiny-words"` is the same random T5 over a word-level tokenizer of the synthetic shapes' vocabulary (one token per
+word, `<unk>` for any other): a shape's name is then one distinctive vector rather than a run of bytes it shares
+with other words, which a small DiT learns to read in minutes (the CPU default run).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 TINY = "tiny"
+TINY_WORDS = "tiny-words"
 TINY_SEED = 1234
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 
 
-def _tiny_t5() -> T5EncoderModel:
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer of the synthetic captions ("a red circle and an orange square"): lower-cased, split on
+    whitespace and punctuation, `</s>` appended as T5 does; ids are fixed by the order of the vocabulary."""
+    from data.synthetic import COLOURS, SHAPES
+
+    words = [*SPECIAL_TOKENS, "a", "an", "and", *COLOURS, *SHAPES]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=512)
+
+
+def _tiny_t5(vocab_size: int) -> T5EncoderModel:
     config = T5Config(
-        vocab_size=384,  # ByT5: 256 bytes + 3 special tokens + 125 sentinel ids
+        vocab_size=vocab_size,
         d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
         feed_forward_proj="gated-gelu",  # T5 v1.1 style
         is_encoder_decoder=False,
@@ -29,9 +50,11 @@ def _tiny_t5() -> T5EncoderModel:
 
 def load_text_encoder(spec: str, subfolder: str = "", tokenizer_subfolder: str = "",
                       dtype: torch.dtype = torch.float32):
-    """(tokenizer, frozen T5EncoderModel in eval mode) from "tiny", a hub id or a local path."""
-    if spec == TINY:
-        tokenizer, encoder = ByT5Tokenizer(), _tiny_t5().to(dtype)
+    """(tokenizer, frozen T5EncoderModel in eval mode) from "tiny", "tiny-words", a hub id or a local path."""
+    if spec in (TINY, TINY_WORDS):
+        tokenizer = ByT5Tokenizer() if spec == TINY else word_tokenizer()
+        # ByT5: 256 bytes + 3 special tokens + 125 sentinel ids
+        encoder = _tiny_t5(384 if spec == TINY else len(tokenizer)).to(dtype)
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec, subfolder=tokenizer_subfolder or "")

@@ -57,6 +57,32 @@ def test_null_embedding_matches_encoding_the_empty_caption():
     assert null_embeds.shape == (3, 16, 64) and null_mask.shape == (3, 16)
 
 
+def test_word_level_tiny_encoder_gives_each_word_of_the_synthetic_world_one_token(tmp_path):
+    from data.synthetic import COLOURS, SHAPES
+    from models.text_encoder import word_tokenizer
+
+    tok, t5 = load_text_encoder("tiny-words")
+    assert not t5.training and not any(p.requires_grad for p in t5.parameters())
+    assert t5.config.vocab_size == len(tok) == 3 + 3 + len(COLOURS) + len(SHAPES)
+    text = TextConditioner(tok, t5, max_length=16)
+    embeds, mask = text.encode(["A red circle and an orange square", "a cyan ring.", "a dog", ""])
+    assert mask.sum(dim=1).tolist() == [8, 5, 3, 1]  # words (punctuation is a word) + EOS; "" is EOS only
+    ids = tok(["a dog, a red ring"]).input_ids[0]
+    assert ids[1] == ids[2] == tok.unk_token_id and ids[-1] == tok.eos_token_id == 1 and tok.pad_token_id == 0
+    # one vector per word: a shape's name does not share tokens with another word
+    words = tok([f"{c} {s}" for c in COLOURS for s in SHAPES], add_special_tokens=False).input_ids
+    assert len({w[1] for w in words}) == len(SHAPES) and all(len(w) == 2 for w in words)
+    torch.testing.assert_close(text.null_embeds[0], embeds[3])
+    # deterministic, and the saved tokenizer loads back as the stock pipeline loads it
+    _, t5_b = load_text_encoder("tiny-words")
+    assert all(torch.equal(a, b) for a, b in zip(t5.parameters(), t5_b.parameters()))
+    word_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert again(["a red circle"]).input_ids == tok(["a red circle"]).input_ids
+
+
 def test_dit_respects_the_text_attention_mask():
     """Changing embeddings at masked (padding) positions must not change the prediction."""
     torch.manual_seed(0)

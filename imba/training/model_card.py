@@ -29,8 +29,15 @@ def _hub_id(spec: str | None) -> str | None:
     return spec
 
 
+_STAND_INS = {  # the code's own encoders for tests and the CPU default, described instead of named
+    "tiny": "random tiny stand-in (`tiny`: for tests)",
+    "tiny-words": "random tiny T5 over the synthetic shapes' words (`tiny-words`: the CPU default)",
+    "shapes": "small VAE trained on the synthetic shapes (`shapes`: the CPU default)",
+}
+
+
 def _part(spec: str) -> str:
-    return "random tiny stand-in (`tiny`: for tests and the CPU default)" if spec == "tiny" else f"`{spec}`"
+    return _STAND_INS.get(spec, f"`{spec}`")
 
 
 def _data_line(cfg: Config) -> str:
