@@ -5,9 +5,9 @@
     accelerate launch --config_file launch/accelerate/zero2.yaml train.py --config configs/1b_256.yaml
     python train.py --export outputs/tiny/checkpoints/step_0000400 [EXPORT_DIR]   # any checkpoint → diffusers
 
-Reads top to bottom: config → accelerator → frozen encoders, DiT, loss, optimizer → resume → data → loop
-(noise, loss, step, EMA, validation, log, checkpoint, sample grid, pre-emption) → last grid, a diffusers pipeline
-export and its model card.
+Reads top to bottom: config → accelerator → shards, frozen encoders, DiT, loss, optimizer → resume → loader →
+loop (noise, loss, step, EMA, validation, log, checkpoint, sample grid, pre-emption) → last grid, a diffusers
+pipeline export and its model card.
 The parts are built in `imba/training/`; this file is the order in which they meet.
 """
 
@@ -30,7 +30,7 @@ from imba.training.distributed import configure_deepspeed, make_accelerator, par
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
-from imba.training.inputs import concept_bucketer, make_loader, training_shards
+from imba.training.inputs import concept_bucketer, precompute_once, precomputes, make_loader, training_shards
 from imba.training.metrics import JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
 from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
@@ -56,8 +56,14 @@ def main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
 
-    # ---- frozen encoders (or precomputed features), the DiT, the loss, the optimizer ----------------------------
-    features, manifest = load_features(cfg, device)
+    # ---- shards (written, or encoded once), frozen encoders (or precomputed features), DiT, loss, optimizer ------
+    shards = training_shards(cfg, accelerator, out)
+    val_shards = validation_shards(cfg, accelerator, out)  # None: no validation
+    bucketer = concept_bucketer(cfg, accelerator, shards, out)  # counted on the captions of the image shards
+    if precomputes(cfg):  # VAE latents and T5 states computed once, not at every step
+        shards = precompute_once(cfg, accelerator, out, shards, "train")
+        val_shards = val_shards and precompute_once(cfg, accelerator, out, val_shards, "val")
+    features, manifest = load_features(cfg, shards, device)
     dit = build_dit(cfg, features)
     objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
     # under ZeRO-3 every forward pass is a collective: every rank must run the same passes
@@ -79,7 +85,6 @@ def main(argv: list[str]) -> int:
     state.world_size = accelerator.num_processes
 
     # ---- data ------------------------------------------------------------------------------------------------
-    shards = training_shards(cfg, accelerator, out)
     consumed = batches_done(state.step, cfg.train.grad_accum, resume.saved_world_size, accelerator.num_processes)
     if resume.checkpoint is not None:
         accelerator.print(f"data: each rank continues after {consumed} batches of {cfg.data.batch_size}")
@@ -93,8 +98,7 @@ def main(argv: list[str]) -> int:
                         accelerator=accelerator)
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
     metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
-    window, monitor, bucketer = MetricWindow(), BucketMonitor(), concept_bucketer(cfg, accelerator, shards, out)
-    val_shards = validation_shards(cfg, accelerator, out)  # None: no validation
+    window, monitor = MetricWindow(), BucketMonitor()
     validator = Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     throughput = Throughput(cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes, state.step)

@@ -56,8 +56,12 @@ COLOUR_RGB: dict[str, tuple[int, int, int]] = {
 }
 
 ZIPF_EXPONENT = 1.2  # weight of the k-th concept ∝ 1 / (k + 1) ** ZIPF_EXPONENT; head/tail ≈ 8 ** 1.2 ≈ 12
-P_TWO_OBJECTS = 0.5
-GENERATOR_VERSION = 1  # bump whenever the drawing or sampling changes: cached folders are then rewritten
+# Mostly one large object: a shape is then 4–6 latent patches wide at 128 px, large enough for the CPU default's
+# small DiT to learn it in minutes (at 0.30–0.48 of the frame with one scene in two holding two objects, its
+# samples stayed shapeless blobs of the right colour); one scene in four composes two objects.
+P_TWO_OBJECTS = 0.25
+OBJECT_SIZES = {1: (0.45, 0.70), 2: (0.28, 0.42)}  # side of an object's box / the frame's, by objects in the scene
+GENERATOR_VERSION = 2  # bump whenever the drawing or sampling changes: cached folders are then rewritten
 MANIFEST_NAME = "synthetic.json"
 SHARD_PATTERN = "synthetic-{:06d}.tar"
 
@@ -112,9 +116,10 @@ def _boxes_apart(a: tuple[float, ...], b: tuple[float, ...], gap: float) -> bool
 
 def _layout(rng: random.Random, n: int, size_range: tuple[float, float] | None = None
             ) -> list[tuple[float, float, float, float]]:
-    """n square boxes (x0, y0, x1, y1) in unit coordinates that do not overlap; sides drawn from size_range."""
+    """n square boxes (x0, y0, x1, y1) in unit coordinates that do not overlap; sides drawn from size_range
+    (default: OBJECT_SIZES of n)."""
     margin, gap = 0.04, 0.04
-    lo, hi = size_range or ((0.30, 0.48) if n == 1 else (0.22, 0.36))
+    lo, hi = size_range or OBJECT_SIZES[min(n, 2)]
     for _ in range(100):
         boxes: list[tuple[float, float, float, float]] = []
         for _ in range(n):
@@ -124,7 +129,7 @@ def _layout(rng: random.Random, n: int, size_range: tuple[float, float] | None =
             boxes.append((x0, y0, x0 + s, y0 + s))
         if all(_boxes_apart(a, b, gap) for i, a in enumerate(boxes) for b in boxes[i + 1 :]):
             return boxes
-    # Practically unreachable (two boxes of <= 0.36 fit easily); a fixed side-by-side fallback keeps it total.
+    # Practically unreachable (two boxes of <= 0.42 fit side by side); a fixed fallback keeps it total.
     s = 0.4
     return [(0.05 + i * 0.5, 0.3, 0.05 + i * 0.5 + s, 0.3 + s) for i in range(n)]
 

@@ -68,7 +68,7 @@ def render_balanced(count: int, seed: int, resolution: int) -> torch.Tensor:
             pair = (SHAPES[int(rng.random() * len(SHAPES))], COLOURS[int(rng.random() * len(COLOURS))])
             if pair not in pairs:
                 pairs.append(pair)
-        scenes.append(image_to_tensor(render_objects(rng, pairs, resolution)[0]))
+        scenes.append(image_to_tensor(render_objects(rng, pairs, resolution)[0]))  # the data set's object sizes
     return torch.stack(scenes)
 
 

@@ -21,7 +21,8 @@ from data.decode import sample_caption
 from data.images import image_to_tensor, resize_center_crop
 from data.streaming import make_image_text_loader
 from data.urls import expand_urls
-from data.synthetic import COLOUR_RGB, COLOURS, SAMPLE_PROMPTS, SHAPES, caption_for, write_synthetic_shards
+from data.synthetic import (COLOUR_RGB, COLOURS, P_TWO_OBJECTS, SAMPLE_PROMPTS, SHAPES, caption_for,
+                            write_synthetic_shards)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -105,7 +106,7 @@ def test_synthetic_is_long_tailed(tmp_path):
         for o in s["json"]["objects"]:
             shapes[o["shape"]] += 1
             colours[o["colour"]] += 1
-    assert set(counts) == {1, 2} and min(counts.values()) > 150  # both one- and two-object images
+    assert set(counts) == {1, 2} and abs(counts[2] / 600 - P_TWO_OBJECTS) < 0.06  # one- and two-object images
     assert set(shapes) == set(SHAPES) and set(colours) == set(COLOURS)  # every concept occurs ...
     assert shapes.most_common(1)[0][0] == SHAPES[0] and colours.most_common(1)[0][0] == COLOURS[0]
     assert max(shapes.values()) > 5 * min(shapes.values())  # ... but with a long tail

@@ -41,9 +41,9 @@ def run_main(argv):
 
 def args(out, features, *extra):
     return [f"data.shards={features}", f"train.output_dir={out}", f"data.resolution={RES}",
-            f"model.max_text_tokens={TOKENS}", "data.batch_size=2", "train.log_every=1", "train.save_every=2",
-            "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "train.trackers=none",
-            "optim.warmup_steps=1", *extra]
+            f"model.max_text_tokens={TOKENS}", "model.text_encoder=tiny", "data.batch_size=2", "train.log_every=1",
+            "train.save_every=2", "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]",
+            "train.trackers=none", "optim.warmup_steps=1", *extra]  # the features' encoders: precompute's defaults
 
 
 @pytest.mark.slow
@@ -90,7 +90,8 @@ def test_reader_threads_train_exactly_as_the_training_process_reading_alone(prec
 def test_reader_threads_are_refused_for_image_shards_and_with_worker_processes(precomputed, tmp_path):
     with pytest.raises(ConfigError, match="loader_threads=2 needs precomputed features.*these shards are images"):
         run_main([f"train.output_dir={tmp_path / 'run'}", "data.resolution=32", "data.synthetic_samples=8",
-                  "data.loader_threads=2", "train.max_steps=1", "train.trackers=none"])
+                  "data.precompute=false", "data.batch_size=4", "data.loader_threads=2", "train.max_steps=1",
+                  "train.trackers=none"])
     with pytest.raises(ConfigError, match="loader_threads=1 needs precomputed features and data.num_workers=0"):
         run_main(args(tmp_path / "run2", precomputed, "data.loader_threads=1", "data.num_workers=1",
                       "train.max_steps=1"))

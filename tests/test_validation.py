@@ -81,7 +81,8 @@ def test_the_shares_of_two_ranks_give_the_one_rank_result(precomputed):
     from models.dit import build_transformer
 
     cfg = load_config([f"data.val_shards={precomputed}", f"data.resolution={RES}",
-                       f"model.max_text_tokens={TOKENS}", "data.val_samples=7", "data.batch_size=3"])
+                       f"model.max_text_tokens={TOKENS}", "model.text_encoder=tiny", "data.val_samples=7",
+                       "data.batch_size=3"])
     manifest = find_manifest(str(precomputed), resolution=RES, max_text_tokens=TOKENS, vae=cfg.model.vae,
                              vae_subfolder="", text_encoder=cfg.model.text_encoder, text_encoder_subfolder="",
                              tokenizer_subfolder="")

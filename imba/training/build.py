@@ -36,10 +36,10 @@ def precomputed_manifest(cfg: Config, shards, key: str = "data.shards") -> dict 
         raise ConfigError(str(err) if key == "data.shards" else f"{key}: {err}") from err
 
 
-def load_features(cfg: Config, device) -> tuple[FrozenEncoders | PrecomputedFeatures, dict | None]:
-    """(what turns a batch into latents and text states, the precomputed manifest or None). Shards written by
-    `python -m data.precompute` already hold both: then neither the VAE nor T5 is loaded to train."""
-    manifest = precomputed_manifest(cfg, cfg.data.shards)
+def load_features(cfg: Config, shards, device) -> tuple[FrozenEncoders | PrecomputedFeatures, dict | None]:
+    """(what turns a batch of `shards` into latents and text states, the precomputed manifest or None). Shards
+    written by `python -m data.precompute` already hold both: then neither the VAE nor T5 is loaded to train."""
+    manifest = precomputed_manifest(cfg, shards)
     return (PrecomputedFeatures(manifest, device) if manifest else load_encoders(cfg, device)), manifest
 
 

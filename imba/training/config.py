@@ -37,17 +37,20 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # a key of models.dit.PRESETS (tiny, small, base, 1b, ...); ignored when pretrained is set
+    preset: str = "micro"  # a key of models.dit.PRESETS (micro, tiny, small, base, 1b); ignored when pretrained is set
     pretrained: str | None = None  # fine-tune: a diffusers PixArt transformer (hub id or folder, e.g. an export)
     pretrained_subfolder: str = ""  # "transformer" for pipeline repositories (auto-detected for local folders)
     # the stock pipeline of the grids and the export: alpha (PixArtAlphaPipeline) | sigma (PixArtSigmaPipeline) |
     # auto (the one model.pretrained's model_index.json names, else alpha); sigma for PixArt-Σ transformer-only
     # repositories (PixArt-Sigma-XL-2-256x256, -512-MS, -2K-MS)
     pipeline: str = "auto"
-    text_encoder: str = "tiny"  # "tiny", a hub id (google/t5-v1_1-xxl) or a local folder
+    # a hub id (google/t5-v1_1-xxl) or a local folder; "tiny-words" (a random tiny T5 with one token per word of the
+    # synthetic shapes: the CPU default's) or "tiny" (a random tiny T5 over bytes, any text: for tests)
+    text_encoder: str = "tiny-words"
     text_encoder_subfolder: str = ""  # e.g. "text_encoder" inside a PixArt repository
     tokenizer_subfolder: str = ""  # e.g. "tokenizer" inside a PixArt repository
-    max_text_tokens: int = 64  # PixArt-α uses 120, PixArt-Σ 300
+    # the CPU default's captions are at most 8 word tokens; set it for a real T5: PixArt-α uses 120, PixArt-Σ 300
+    max_text_tokens: int = 16
     # "shapes" (the small VAE trained on the synthetic shapes, shipped with the code), "tiny" (random, for tests),
     # a hub id (stabilityai/sd-vae-ft-ema) or a local folder
     vae: str = "shapes"
@@ -62,7 +65,7 @@ class DataConfig:
     # streaming: webdataset with resampled shards (pipe:/http/s3, or sets too large to index)
     mode: str = "auto"
     resolution: int = 128  # images are resized and centre-cropped to this square size
-    batch_size: int = 8  # per process, per micro-step
+    batch_size: int = 32  # per process, per micro-step
     num_workers: int = 0
     # precomputed features only, with num_workers=0: threads of the training process that make the batches ahead
     # of the step, in memory recycled from batch to batch (bench/README.md#at-the-real-models-sizes)
@@ -73,6 +76,12 @@ class DataConfig:
     # aspect-ratio buckets around resolution² pixels (1:4 .. 4:1, sides multiples of 16; data/buckets.py): each batch
     # is one bucket's (h, w). Image shards in indexed mode only (not streaming, not precomputed features)
     bucketing: bool = False
+    # true: encode the training and validation images once with the frozen VAE and T5 (`python -m data.precompute`'s
+    # format, in <train.output_dir>/features/; reused on resume, redone when the shards or encoders change) and
+    # train on the stored features, with no encoder pass per step: for sets read many times (the synthetic set,
+    # small fine-tuning sets). auto: true for the synthetic set, false for data.shards (large sets: run
+    # data.precompute once and point data.shards at its output). false: encode every batch
+    precompute: str = "auto"
     synthetic_samples: int = 2000  # size of the synthetic shard set written when shards is None
     synthetic_dir: str | None = None  # where it is written; None = <train.output_dir>/synthetic_shards
     # validation set (train.val_every): shards of the same kind as `shards` (images, or precomputed features); None
@@ -115,7 +124,7 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 2e-3
     weight_decay: float = 0.03
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -136,8 +145,11 @@ class SpeedConfig:
 @dataclass
 class SampleConfig:
     prompts: list[str] = field(default_factory=lambda: [
-        # head concepts, a two-object composition, and the rarest pair of the synthetic set
-        "a red circle", "a blue square", "a green triangle and a yellow star", "a cyan ring",
+        # a 3 × 3 grid: the synthetic set's head pairs; rarer shapes (a cyan ring is its rarest pair); a head colour on
+        # another head shape, and two-object compositions
+        "a red circle", "a blue square", "a green triangle",
+        "a yellow star", "a black cross", "a cyan ring",
+        "a blue circle", "a red circle and a blue square", "a green triangle and a yellow star",
     ])
     guidance_scale: float = 4.5
     steps: int = 20
@@ -147,17 +159,17 @@ class SampleConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = "outputs/tiny"
-    max_steps: int = 1200  # optimizer steps
+    max_steps: int = 2500  # optimizer steps
     grad_accum: int = 1
     mixed_precision: str = "no"  # no | bf16 | fp16
     seed: int = 0
     log_every: int = 10
-    save_every: int = 400  # checkpoint interval in steps; 0 = only at the end
+    save_every: int = 500  # checkpoint interval in steps; 0 = only at the end
     keep_checkpoints: int = 3
-    sample_every: int = 400  # sample-grid interval in steps; 0 = only at the end
+    sample_every: int = 500  # sample-grid interval in steps; 0 = only at the end
     # validation loss of the EMA weights every N steps (0 = off): fixed samples, noise and timesteps, so curves
     # compare across runs and resumes
-    val_every: int = 200
+    val_every: int = 250
     resume: str = "latest"  # latest (newest checkpoint in output_dir, if any) | none (start fresh) | a step_* folder
     # a step with a non-finite loss or gradient norm is skipped on every rank; after this many in a row the run
     # stops (exit status 3) without saving the diverged weights
@@ -186,6 +198,7 @@ CHOICES = {
     "model.encoder_dtype": tuple(DTYPES),
     "model.pipeline": ("auto", *PIPELINES),
     "data.mode": ("auto", "indexed", "streaming"),
+    "data.precompute": ("auto", "true", "false"),
     "loss.kind": LOSS_KINDS,
     "loss.distance": DISTANCES,
     "loss.reference": REFERENCES,
@@ -432,6 +445,9 @@ def _validate(cfg: Config) -> None:
     if unknown:
         raise ConfigError(f"config key 'train.trackers' takes none or comma-separated names of accelerate's trackers "
                           f"({', '.join(known)}), got {unknown[0]!r}")
+    if cfg.data.precompute == "true" and cfg.data.bucketing:
+        raise ConfigError("data.precompute=true stores one resolution: it cannot serve data.bucketing=true; set one "
+                          "of them to false")
     if cfg.data.bucketing and cfg.data.mode == "streaming":
         raise ConfigError("data.bucketing=true needs data.mode=indexed (or auto with local shards): the streaming "
                           "reader has no image sizes to bucket by; set data.bucketing=false or use local shards")
