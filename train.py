@@ -30,7 +30,7 @@ from imba.training.distributed import configure_deepspeed, make_accelerator, par
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
-from imba.training.inputs import concept_bucketer, precompute_once, precomputes, make_loader, training_shards
+from imba.training.inputs import concept_bucketer, make_loader, precompute_once, precomputes, training_shards
 from imba.training.metrics import JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
 from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler

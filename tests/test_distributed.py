@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = [
     "data.resolution=64", "data.batch_size=2", "data.synthetic_samples=24", "train.log_every=1",
     "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "optim.warmup_steps=2",
-    "train.trackers=none",
+    "train.trackers=none", "model.preset=tiny", "optim.lr=1e-3",  # the model the rounding bounds were measured on
     # the IMBA loss with running means of D per timestep bin: state that must be the same on every rank for an
     # exact resume
     "loss.kind=imba", "loss.normalize=timestep_mean",

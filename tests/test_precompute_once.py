@@ -49,6 +49,7 @@ def test_auto_precomputes_the_synthetic_set_only():
     assert not precomputes(load_config(["data.shards=some/shards"]))
     assert precomputes(load_config(["data.shards=some/shards", "data.precompute=true"]))
     assert not precomputes(load_config(["data.bucketing=true"]))  # the synthetic set at many sizes
+    assert not precomputes(load_config(["data.mode=streaming"]))
 
 
 def test_precompute_refuses_what_it_cannot_serve(tmp_path):

@@ -61,7 +61,7 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
         other = tmp_path / "other" / "checkpoints" / "step_0000004"
         shutil.copytree(out / "checkpoints" / "step_0000004", other)
         config = other / "config.yaml"
-        config.write_text(config.read_text().replace("preset: tiny", "preset: micro"))
+        config.write_text(config.read_text().replace("preset: micro", "preset: tiny"))
         write_manifest(other)
         refused = subprocess.run([sys.executable, str(REPO / "train.py"), "--export", str(other)], cwd=tmp_path,
                                  env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)

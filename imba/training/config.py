@@ -79,8 +79,8 @@ class DataConfig:
     # true: encode the training and validation images once with the frozen VAE and T5 (`python -m data.precompute`'s
     # format, in <train.output_dir>/features/; reused on resume, redone when the shards or encoders change) and
     # train on the stored features, with no encoder pass per step: for sets read many times (the synthetic set,
-    # small fine-tuning sets). auto: true for the synthetic set, false for data.shards (large sets: run
-    # data.precompute once and point data.shards at its output). false: encode every batch
+    # small fine-tuning sets). auto: true for the synthetic set (unless bucketed or streamed), false for data.shards
+    # (large sets: run data.precompute once and point data.shards at its output). false: encode every batch
     precompute: str = "auto"
     synthetic_samples: int = 2000  # size of the synthetic shard set written when shards is None
     synthetic_dir: str | None = None  # where it is written; None = <train.output_dir>/synthetic_shards

@@ -36,10 +36,11 @@ def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[st
 
 
 def precomputes(cfg: Config) -> bool:
-    """Whether the run trains on features it encodes once (data.precompute; auto: the synthetic set, unless
-    bucketed, whose images come in many sizes)."""
+    """Whether the run trains on features it encodes once (data.precompute; auto: the synthetic set, unless it is
+    bucketed (images of many sizes) or read as a stream (data.mode=streaming asks for the streaming reader))."""
     d = cfg.data
-    return d.precompute == "true" or (d.precompute == "auto" and not d.shards and not d.bucketing)
+    auto = not d.shards and not d.bucketing and d.mode != "streaming"
+    return d.precompute == "true" or (d.precompute == "auto" and auto)
 
 
 def precompute_settings(cfg: Config) -> PrecomputeSettings:
