@@ -2,17 +2,18 @@
 
 Real runs load T5 v1.1 XXL (4096-d) from a hub id or a local folder, e.g. `google/t5-v1_1-xxl`, or the
 `text_encoder`/`tokenizer` subfolders of a PixArt repository. `"tiny"` builds a small random T5 encoder with a
-byte-level tokenizer (`ByT5Tokenizer`, which needs no vocabulary file): the same classes, no download, for tests and
-the CPU default run. Its weights come from a fixed seed, so every process and every resume gets the same encoder.
+byte-level tokenizer (`ByT5Tokenizer`, which needs no vocabulary file): the same classes, no download, for tests,
+for any text. Its weights come from a fixed seed, so every process and every resume gets the same encoder.
 `"tiny-words"` is the same random T5 over a word-level tokenizer of the synthetic shapes' vocabulary (one token per
-word, `<unk>` for any other): a shape's name is then one distinctive vector rather than a run of bytes it shares
-with other words, which a small DiT learns to read in minutes (the CPU default run).
+word, `<unk>` for any other), the CPU default run's: a shape's name is then one vector of its own rather than a
+run of bytes it shares with other words.
 """
 
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 TINY = "tiny"
@@ -27,7 +28,7 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     from data.synthetic import COLOURS, SHAPES
 
     words = [*SPECIAL_TOKENS, "a", "an", "and", *COLOURS, *SHAPES]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
