@@ -59,16 +59,19 @@ def test_prompt_features_share_the_noise_draws_across_captions():
                                    vae_scale_factor=1)
     assert len(blocks) == 4 and blocks[0].shape == (6, model.config.num_attention_heads * 32)
     assert text.shape == (6, 16)
-    # rows are caption × draws + draw: same caption and draw → same row; another draw → another row
+    # rows are caption × draws + draw: same caption and draw → same row; another draw → another row. Rows 2 and 4
+    # come from batches of other sizes (4 and 2), so they agree up to float32 rounding of the features' scale
+    # (atol 1e-5 of the largest feature, ~100 roundings); another draw or caption is off by a large part of it
     for b in blocks:
-        assert torch.allclose(b[2], b[4], atol=1e-6) and torch.allclose(b[3], b[5], atol=1e-6)
+        atol = 1e-5 * b.abs().max().item()
+        assert torch.allclose(b[2], b[4], atol=atol) and torch.allclose(b[3], b[5], atol=atol)
         assert not torch.allclose(b[2], b[3])
     # the caption features are the mean over valid tokens, repeated per draw
     assert torch.allclose(text[0], embeds[0, :3].mean(dim=0)) and torch.equal(text[0], text[1])
     # the batch size does not change the features
     again, _ = prompt_features(model, embeds, mask, (3, 4, 4), 900, draws=2, seed=5, batch_size=1,
                                vae_scale_factor=1)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(blocks, again))
+    assert all(torch.allclose(a, b, atol=1e-5 * b.abs().max().item()) for a, b in zip(blocks, again))  # as above
 
 
 def test_prompt_entries_give_buckets_seen_flags_and_probe_labels():

@@ -29,7 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = [
     "data.resolution=64", "data.batch_size=2", "data.synthetic_samples=24", "train.log_every=1",
     "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "optim.warmup_steps=2",
-    "train.trackers=none", "model.preset=tiny", "optim.lr=1e-3",  # the model the rounding bounds were measured on
+    # the tiny model at lr 1e-3: three AdamW steps move weights by ~3e-3, the scale the cross-engine bounds below
+    # are fractions of
+    "train.trackers=none", "model.preset=tiny", "optim.lr=1e-3",
     # the IMBA loss with running means of D per timestep bin: state that must be the same on every rank for an
     # exact resume
     "loss.kind=imba", "loss.normalize=timestep_mean",
@@ -250,8 +252,11 @@ def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path, full_runs):
     assert f"resuming a 2-process ZeRO-2 checkpoint on 1 processes through {step3 / 'universal'}" in shrunk
     assert f"resumed from {step3} at step 3, parameters {saved_digest}" in shrunk  # the saved weights, bitwise
     assert "done: step 6" in shrunk and (step3 / "universal" / "pytorch_model" / "zero").is_dir()
-    # same data, noise, weights and AdamW moments → same losses and weights up to float rounding; with the
-    # moments and step reset instead, the weights here differ by ~1e-3 and the losses at steps 5-6 by ~1e-2
+    # same data, noise, weights and AdamW moments → same losses and weights up to float rounding (DeepSpeed and
+    # torch AdamW sum in other orders); with the moments and step reset instead, the weights at step 6 differ by
+    # about twice what the three steps move them, and the losses at steps 5-6 by 4% and 23%.
+    # Losses: rel=1e-5, ~100 float32 roundings (2^-24) of the loss: the loss sees the weights' rounding only (the
+    # parameters on which AdamW amplifies it have gradients ~0, so the loss hardly depends on them)
     resumed_losses, reference_losses = losses(out), losses(reference)
     assert [resumed_losses[s] for s in (4, 5, 6)] == pytest.approx([reference_losses[s] for s in (4, 5, 6)],
                                                                     rel=1e-5, abs=1e-6)
@@ -259,7 +264,15 @@ def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path, full_runs):
     weights = torch.load(step6 / "pytorch_model" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     expected = load_file(reference / "checkpoints" / "step_0000006" / "model.safetensors")
     assert weights.keys() == expected.keys()
-    assert max((weights[k] - expected[k]).abs().max().item() for k in weights) < 1e-5
+    # Weights: a fraction of what the resumed steps move them, not a rounding constant. On parameters whose
+    # gradient is zero in exact arithmetic (attention key biases: softmax ignores them), AdamW turns rounding noise
+    # into steps as large as those parameters' whole movement (~1e-5), still a small fraction of the ~3e-3 the
+    # steps move the weights; a wrong resume (moments or step lost, the wrong partition loaded) is of the order of
+    # `moved` or more
+    saved = torch.load(reference / "checkpoints" / step3.name / "pytorch_model.bin", weights_only=False)
+    moved = max((expected[k] - saved[k]).abs().max().item() for k in expected)
+    gap = max((weights[k] - expected[k]).abs().max().item() for k in weights)
+    assert moved > 1e-4 and gap <= 0.05 * moved, (gap, moved)
     # AdamW's step count and the LR schedule continue (accelerate steps the schedule once per process per step)
     assert adam_steps(step6, world=1) == [6.0] and scheduler_steps(step6) == 6
 
@@ -293,7 +306,9 @@ def test_zero3_trains_like_zero2_holds_the_ema_whole_and_exports(tmp_path, full_
     assert (step6 / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_model_states.pt").is_file()  # really partitioned
     assert sorted(p.name for p in (zero3 / "samples").iterdir()) == ["step_0000003.png", "step_0000006.png"]
 
-    # ZeRO-2 (whole parameters, diffusers' EMAModel) on the same data: the same losses and EMA up to rounding
+    # ZeRO-2 (whole parameters, diffusers' EMAModel) on the same data: the same losses and EMA up to rounding.
+    # Losses: rel=1e-5, ~100 float32 roundings (2^-24) of the loss, as in the resume test above; training on other
+    # weights (a lost or stale update, AdamW's moments reset) changes them by percents
     assert [losses(zero3)[s] for s in range(1, 7)] == pytest.approx([losses(zero2)[s] for s in range(1, 7)],
                                                                     rel=1e-5, abs=1e-6)
     ema = ema_state(step6)["shadow_params"]
@@ -301,7 +316,12 @@ def test_zero3_trains_like_zero2_holds_the_ema_whole_and_exports(tmp_path, full_
     assert [t.shape for t in ema] == [t.shape for t in reference]  # whole tensors, not this rank's slices
     gap = max((a - b).abs().max().item() for a, b in zip(ema, reference))
     moved = max((a - b).abs().max().item() for a, b in zip(ema, ema_state(step3)["shadow_params"]))
-    assert gap < 1e-5 and moved > 1e-4  # equal up to rounding (~1e-6), while three steps move the EMA far more
+    # EMA: a fraction of what three steps move it (~3e-3 at lr 1e-3), not a rounding constant. The engines sum in
+    # other orders, and on parameters whose gradient is zero in exact arithmetic (attention key biases: softmax
+    # ignores them) AdamW turns that rounding noise into steps as large as those parameters' whole movement
+    # (~1e-5); a real fault (an EMA update skipped, a stale partition or the wrong shard averaged in) is of the
+    # order of `moved` itself or more
+    assert moved > 1e-4 and gap <= 0.05 * moved, (gap, moved)
 
     # a ZeRO-3 checkpoint exports in a plain process, to the weights the run itself exported
     export = tmp_path / "exported"

@@ -107,4 +107,6 @@ def test_the_shares_of_two_ranks_give_the_one_rank_result(precomputed):
         v.run(dit, ema)
     summed = parts[0] + parts[1]
     assert summed[1, 0] == 7
-    assert (summed[0, 0] / summed[1, 0]).item() == pytest.approx(whole["val/loss"], rel=1e-6)
+    # the same samples in batches of other compositions ([3, 1] and [3] against [3, 3, 1]): float32 rounding of
+    # the loss, rel=1e-5 ≈ 100 roundings (2^-24); a sample lost or counted twice moves the mean by ~1/7
+    assert (summed[0, 0] / summed[1, 0]).item() == pytest.approx(whole["val/loss"], rel=1e-5)
