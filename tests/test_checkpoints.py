@@ -298,3 +298,12 @@ def test_to_universal_refuses_a_checkpoint_without_deepspeed_shards(run):
     with pytest.raises(ConfigError, match="holds no DeepSpeed ZeRO optimizer shards"):
         checkpoints.to_universal(saved)
     assert not (saved / checkpoints.UNIVERSAL_DIR).exists()
+
+
+def test_the_to_universal_command_says_what_is_wrong_in_one_line(run, capsys):
+    saved = run.save()
+    with pytest.raises(SystemExit, match=r"^error: .* holds no DeepSpeed ZeRO optimizer shards"):
+        checkpoints.main(["to-universal", str(saved)])
+    with pytest.raises(SystemExit) as usage:  # a missing checkpoint argument: argparse's usage line, status 2
+        checkpoints.main(["to-universal"])
+    assert usage.value.code == 2 and "the following arguments are required: checkpoint" in capsys.readouterr().err

@@ -344,10 +344,22 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, 
     return final
 
 
-if __name__ == "__main__":  # python -m imba.training.checkpoints to-universal CHECKPOINT [WORKERS]
-    if sys.argv[1:2] != ["to-universal"] or len(sys.argv) not in (3, 4):
-        sys.exit("usage: python -m imba.training.checkpoints to-universal CHECKPOINT_FOLDER [WORKERS]")
+def main(argv: list[str] | None = None) -> None:
+    """`python -m imba.training.checkpoints to-universal CHECKPOINT [WORKERS]`."""
+    parser = argparse.ArgumentParser(prog="python -m imba.training.checkpoints",
+                                     description="Tools for train.py's checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    universal = commands.add_parser(
+        "to-universal", help="convert a DeepSpeed ZeRO-1/2/3 checkpoint to <checkpoint>/universal/ once, ahead of "
+                             "a resume on another number of processes")
+    universal.add_argument("checkpoint", type=Path, help="a checkpoint folder (outputs/RUN/checkpoints/step_N)")
+    universal.add_argument("workers", type=int, nargs="?", default=4, help="conversion worker processes (4)")
+    args = parser.parse_args(argv)
     try:
-        print(f"wrote {to_universal(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) == 4 else 4)}")
+        print(f"wrote {to_universal(args.checkpoint, args.workers)}")
     except ConfigError as err:
         sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()
