@@ -1,7 +1,7 @@
 """Shards written by the real `img2dataset` tool (its webdataset layout, with its .parquet and _stats.json side files
 and a failed download) train, precompute and give concept statistics as they are, with no conversion.
 
-The images are served over HTTP on 127.0.0.1; the command is the one the README gives users."""
+The images are served over HTTP on 127.0.0.1; the command is the one docs/data.md gives users."""
 
 import csv
 import functools

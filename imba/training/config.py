@@ -92,8 +92,8 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    # plain (MSE + caption dropout; the default: it wins the composition benchmark at equal compute, README
-    # "Results") | imba (token level, the paper's form) | imba_sample (sample level)
+    # plain (MSE + caption dropout; the default: it wins the composition benchmark at equal compute,
+    # bench/README.md) | imba (token level, the paper's form) | imba_sample (sample level)
     kind: str = "plain"
     gamma: float = 0.8
     lam: float = 0.9  # IMBA: weight of the conditional term; plain: caption dropout p = 1 - lam
