@@ -9,14 +9,20 @@ Two objectives, both usable with every loss in `imba.loss`:
 
 Each objective also builds the diffusers scheduler used to *sample* from a model trained with it; that scheduler is
 what the exported pipeline carries, so a stock `PixArtAlphaPipeline` samples correctly from either.
+
+diffusers is imported where a scheduler is built, not with the module: `NoisedBatch` and `RectifiedFlow`'s noising
+need torch alone, like the rest of what `imba` offers a training loop of its own (the light install).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
+
+if TYPE_CHECKING:
+    from diffusers import DPMSolverMultistepScheduler
 
 
 @dataclass
@@ -33,6 +39,8 @@ class DDPMEpsilon:
 
     def __init__(self, num_train_timesteps: int = 1000, beta_schedule: str = "linear",
                  beta_start: float = 0.0001, beta_end: float = 0.02):
+        from diffusers import DDPMScheduler
+
         self.noise_scheduler = DDPMScheduler(
             num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
             beta_start=beta_start, beta_end=beta_end, prediction_type="epsilon",
@@ -51,6 +59,8 @@ class DDPMEpsilon:
         return NoisedBatch(noisy=noisy, timesteps=t, target=noise)
 
     def sampling_scheduler(self) -> DPMSolverMultistepScheduler:
+        from diffusers import DPMSolverMultistepScheduler
+
         cfg = self.noise_scheduler.config
         return DPMSolverMultistepScheduler(
             num_train_timesteps=cfg.num_train_timesteps, beta_schedule=cfg.beta_schedule,
@@ -92,6 +102,8 @@ class RectifiedFlow:
     def sampling_scheduler(self) -> DPMSolverMultistepScheduler:
         # DPM-Solver++ in its flow mode: has everything PixArtAlphaPipeline calls (init_noise_sigma,
         # scale_model_input), unlike FlowMatchEulerDiscreteScheduler, and treats the output as ε − x0.
+        from diffusers import DPMSolverMultistepScheduler
+
         return DPMSolverMultistepScheduler(
             num_train_timesteps=self.num_train_timesteps, prediction_type="flow_prediction",
             use_flow_sigmas=True, flow_shift=self.shift,
