@@ -14,15 +14,18 @@ across all channels. The method, as this project implements it (docs/method.md):
     L*  = mean over tokens of D · mse_token(target, pred_cond)
     L_u = mean of (target − pred_uncond)²           (gradient flows into the unconditional prediction)
     L   = lam · L* + (1 − lam) · L_u
+
+The efficient form (`drop=`), the per-sample weights (`sample_weights=`, e.g. min-SNR), the running state and what
+each stat means: docs/loss.md. Every input the loss cannot use correctly is refused with a one-line ValueError that
+says what to pass instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
 import torch
-import torch.nn.functional as F
 
 GRANULARITIES = ("token", "sample")
 DISTANCES = ("mse", "l1", "l2")
@@ -69,6 +72,16 @@ def token_distance(reference: torch.Tensor, other: torch.Tensor, patch_size: int
     return diff.pow(2).sum(dim=-1).sqrt()
 
 
+def _sum_over_processes(totals: torch.Tensor) -> None:
+    """All-reduce (sum, in place) over the processes of torch.distributed's default group, if one is running."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+
+
+Reduce = Union[Callable[[torch.Tensor], object], str, None]
+
+
 class TimestepMean:
     """Running mean of the IMBA weight per timestep bin, to divide D by (`normalize="timestep_mean"`).
 
@@ -81,15 +94,19 @@ class TimestepMean:
     the current batch before dividing, so the first steps are normalised too. The state is small (`state_dict`):
     save it with the checkpoint for an exact resume.
 
-    `reduce`: with several processes, a function that sums a tensor over them in place (an all-reduce); the
-    per-bin sums and counts then cover the global batch and every process keeps the same means. Without it each
-    process keeps its own.
+    `reduce`: how the per-bin sums and counts are summed over processes, so that they cover the global batch and
+    every process keeps the same means. "auto" (default): an all-reduce over torch.distributed's default group when
+    one is initialised with more than one process, nothing otherwise; every process must then call the loss equally
+    often, as a training step does. A function that sums a tensor in place over the processes; or None: each process
+    keeps its own means.
     """
 
     def __init__(self, bins: int = 10, momentum: float = 0.99, num_train_timesteps: int = 1000,
-                 reduce: Callable[[torch.Tensor], object] | None = None) -> None:
+                 reduce: Reduce = "auto") -> None:
         if bins < 1 or not 0.0 <= momentum < 1.0 or num_train_timesteps <= 0:
             raise LossSettingError("timestep_mean", "needs bins >= 1, 0 <= momentum < 1 and num_train_timesteps > 0")
+        if isinstance(reduce, str) and reduce != "auto":
+            raise LossSettingError("timestep_reduce", f"must be 'auto', None or an all-reduce function, got {reduce!r}")
         self.bins, self.momentum, self.num_train_timesteps = bins, momentum, num_train_timesteps
         self.reduce = reduce
         self.means = torch.ones(bins, dtype=torch.float64)
@@ -110,8 +127,9 @@ class TimestepMean:
         zeros = torch.zeros(self.bins, dtype=torch.float64, device=weight.device)
         totals = torch.stack([zeros.index_add(0, bins[use], rows[use]),
                               zeros.index_add(0, bins[use], torch.ones_like(rows[use]))])
-        if self.reduce is not None:
-            self.reduce(totals)
+        reduce = _sum_over_processes if isinstance(self.reduce, str) else self.reduce
+        if reduce is not None:
+            reduce(totals)
         sums, counts = totals
         present = counts > 0
         batch = sums / counts.clamp_min(1)
@@ -130,20 +148,111 @@ class TimestepMean:
         self.means, self.seen = state["means"].clone(), state["seen"].clone()
 
 
+class LossStats(dict):
+    """A loss's statistics, ready to log as they are: the mapping holds scalars only (detached 0-d tensors), and the
+    per-sample (B,) and per-token (B, N) tensors are in `tensors`.
+
+    Iterating, `items()`, `len()` and `dict(stats)` see the scalars; a tensor is still found by name
+    (`stats["distance_per_sample"]`, `"distance_per_token" in stats`). `floats()` reads every scalar off the device
+    in one transfer, for `accelerator.log` and progress bars. Assigning a tensor with dimensions (`stats[k] = t`)
+    files it under `tensors`.
+    """
+
+    def __init__(self, scalars=(), tensors: dict | None = None) -> None:
+        super().__init__()
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, value in dict(scalars).items():
+            self[name] = value
+        for name, value in (tensors or {}).items():
+            self.tensors[name] = value
+
+    def __setitem__(self, name: str, value) -> None:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            self.tensors[name] = value
+            dict.pop(self, name, None)
+        else:
+            dict.__setitem__(self, name, value)
+
+    def __missing__(self, name: str):
+        if name in self.tensors:
+            return self.tensors[name]
+        raise KeyError(name)
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or name in self.tensors
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+    def floats(self) -> dict[str, float]:
+        """{name: float} of the scalars (NaN where a statistic is undefined for the batch)."""
+        if not self:
+            return {}
+        device = next((v.device for v in self.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        values = torch.stack([v.detach().reshape(()).to(device=device, dtype=dtype) if isinstance(v, torch.Tensor)
+                              else torch.tensor(float(v), device=device, dtype=dtype) for v in self.values()])
+        return dict(zip(self, values.tolist()))
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.tensors.items())
+        return f"LossStats({dict.__repr__(self)}, tensors={{{shapes}}})"
+
+
+def _check_channels(name: str, pred: torch.Tensor, reference: torch.Tensor, reference_name: str = "target") -> None:
+    """A prediction with other channels than the target: most often a learned variance (2 × the latent channels)."""
+    if pred.dim() != 4 or reference.dim() != 4 or pred.shape[1] == reference.shape[1]:
+        return
+    c = reference.shape[1]
+    hint = (f"the model also predicts its variance (learned sigma): pass {name}[:, :{c}] "
+            "(e.g. model_pred.chunk(2, dim=1)[0])" if pred.shape[1] == 2 * c else "they must be the same")
+    raise ValueError(f"IMBALoss: {name} has {pred.shape[1]} channels and {reference_name} {c}: {hint}")
+
+
+def _unwrapped(model):
+    """The model inside DDP, DeepSpeed's engine or torch.compile."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+def transformer_patch_size(transformer) -> int:
+    """`config.patch_size` of a diffusers transformer (bare, or wrapped by DDP, DeepSpeed or torch.compile)."""
+    model = _unwrapped(transformer)
+    config = getattr(model, "config", None)
+    size = config.get("patch_size") if isinstance(config, dict) else getattr(config, "patch_size", None)
+    if not isinstance(size, int):
+        raise LossSettingError("patch_size", f"cannot be read from {type(model).__name__} (no integer "
+                                             "config.patch_size): pass IMBALoss(patch_size=...) yourself")
+    return size
+
+
 @dataclass
 class IMBALoss:
     """Token-level (or sample-level) IMBA loss. Call it with (pred_cond, pred_uncond, target).
 
     gamma:       exponent of the weight; 0 gives the plain λ-mixed MSE, 2 is known to shift colours.
-    lam:         weight of the conditional term; 1 − lam plays the role of caption dropout.
-    patch_size:  DiT patch size; the weight is constant over one patch.
+    lam:         weight of the conditional term; 1 − lam is the caption dropout: it replaces the script's own
+                 (empty-prompt dropout must then be 0), and the efficient form draws it (`draw_drop_mask`).
+    patch_size:  DiT patch size; the weight is constant over one patch. `IMBALoss.for_transformer(transformer)`
+                 reads it from a diffusers transformer's config.
     granularity: "token" (one weight per patch) or "sample" (one weight per sample: mean of d over its tokens).
     distance:    "mse" (mean square over the token's values), "l1" (mean absolute) or "l2" (Euclidean norm).
     reference:   "target" (the paper's form: distance from the regression target) or "cond" (distance from the
                  detached conditional prediction; keeps the optimum at the true conditional mean, docs/method.md).
     normalize:   "none", "batch_mean" (divide D by its mean over the batch, so the loss scale stays put) or
                  "timestep_mean" (divide D by its running mean in the sample's timestep bin, `TimestepMean`; the
-                 call then needs `timesteps`).
+                 call then needs `timesteps`, and the means are state: `state_dict`, and
+                 `accelerator.register_for_checkpointing(loss_fn)` saves them with `accelerator.save_state`).
+    timestep_reduce: how the timestep means are summed over processes: "auto" (an all-reduce when a
+                 torch.distributed process group is initialised), a function, or None (per-process means).
     """
 
     gamma: float = 0.8
@@ -156,7 +265,7 @@ class IMBALoss:
     timestep_bins: int = 10
     timestep_momentum: float = 0.99
     num_train_timesteps: int = 1000
-    timestep_reduce: Callable[[torch.Tensor], object] | None = field(default=None, repr=False, compare=False)
+    timestep_reduce: Reduce = field(default="auto", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("granularity", self.granularity, GRANULARITIES)
@@ -169,8 +278,44 @@ class IMBALoss:
             raise LossSettingError("gamma", f"must be >= 0, got {self.gamma}")
         if self.patch_size < 1:
             raise LossSettingError("patch_size", f"must be >= 1, got {self.patch_size}")
+        if isinstance(self.timestep_reduce, str) and self.timestep_reduce != "auto":
+            raise LossSettingError("timestep_reduce",
+                                   f"must be 'auto', None or an all-reduce function, got {self.timestep_reduce!r}")
         self.timestep_mean = (TimestepMean(self.timestep_bins, self.timestep_momentum, self.num_train_timesteps,
                                            self.timestep_reduce) if self.normalize == "timestep_mean" else None)
+
+    @classmethod
+    def for_transformer(cls, transformer, **settings) -> "IMBALoss":
+        """The loss with the patch size of `transformer`, a diffusers DiT (bare or wrapped by DDP, DeepSpeed or
+        torch.compile); `settings` are the other fields."""
+        size = transformer_patch_size(transformer)
+        if settings.get("patch_size", size) != size:
+            raise LossSettingError("patch_size", f"is {settings['patch_size']}, but the transformer's config has "
+                                                 f"patch_size={size}: leave it out")
+        return cls(**{**settings, "patch_size": size})
+
+    def check_transformer(self, transformer) -> None:
+        """Refuses a transformer whose tokens are not this loss's (another `config.patch_size`)."""
+        size = transformer_patch_size(transformer)
+        if size != self.patch_size:
+            raise LossSettingError("patch_size", f"is {self.patch_size}, but the transformer's config has "
+                                                 f"patch_size={size}: build the loss with "
+                                                 "IMBALoss.for_transformer(transformer, ...)")
+
+    def state_dict(self) -> dict:
+        """The running state: the per-bin means of normalize="timestep_mean", empty otherwise."""
+        return {} if self.timestep_mean is None else {"timestep_mean": self.timestep_mean.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = "timestep_mean" in state
+        if self.timestep_mean is None and saved:
+            raise ValueError(f"IMBALoss: the saved state holds timestep means but this loss has "
+                             f"normalize={self.normalize!r}: build it with normalize='timestep_mean' to resume it")
+        if self.timestep_mean is not None:
+            if not saved:
+                raise ValueError("IMBALoss: the saved state holds no timestep means (it comes from a loss without "
+                                 "normalize='timestep_mean'): build the loss as it was saved")
+            self.timestep_mean.load_state_dict(state["timestep_mean"])
 
     def weights(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
                 valid: torch.Tensor | None = None, timesteps: torch.Tensor | None = None):
@@ -196,17 +341,9 @@ class IMBALoss:
                 weight = self.timestep_mean(weight, timesteps, valid)
         return weight, d
 
-    def __call__(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
-                 drop: torch.Tensor | None = None, timesteps: torch.Tensor | None = None):
-        """The loss and its stats. Without `drop`: the literal form (every row contributes λ·L* + (1 − λ)·L_u).
-
-        With `drop` (bool, (B,), drawn by `draw_drop_mask`): the efficient, unbiased form. Dropped rows contribute
-        only their L_u term (pred_uncond must carry the gradient there; pred_cond is ignored); kept rows contribute
-        only their L* term (pred_uncond may come from a no-grad pass: it only sets D). Every per-row term is
-        divided by B, so over drop ~ Bernoulli(1 − λ) the expected loss and gradient equal the literal form's.
-        With reference="cond", D exists only on kept rows, and the normalisations use only them.
-        `timesteps` (B,): the DiT timestep of each row, needed by normalize="timestep_mean".
-        """
+    def _check_call(self, pred_cond, pred_uncond, target, drop, timesteps, sample_weights) -> None:
+        _check_channels("pred_cond", pred_cond, target)
+        _check_channels("pred_uncond", pred_uncond, target)
         if not (pred_cond.shape == pred_uncond.shape == target.shape) or pred_cond.dim() != 4:
             raise ValueError(
                 "IMBALoss expects pred_cond, pred_uncond and target of one shape (B, C, H, W); got "
@@ -215,23 +352,70 @@ class IMBALoss:
         b = target.shape[0]
         if drop is not None and (drop.shape != (b,) or drop.dtype != torch.bool):
             raise ValueError(f"IMBALoss: drop must be a bool tensor of shape ({b},), got {drop.dtype} {tuple(drop.shape)}")
+        if timesteps is not None and timesteps.shape not in ((b,), ()):
+            raise ValueError(f"IMBALoss: timesteps must have shape ({b},), the DiT timestep of each row, "
+                             f"got {tuple(timesteps.shape)}")
+        if sample_weights is not None and sample_weights.shape != (b,):
+            raise ValueError(f"IMBALoss: sample_weights must have shape ({b},), one weight per sample (e.g. min-SNR), "
+                             f"got {tuple(sample_weights.shape)}")
+        training = torch.is_grad_enabled() and pred_cond.requires_grad
+        if not training or pred_uncond.requires_grad or self.lam == 1.0:
+            return
+        if drop is None:
+            raise ValueError("IMBALoss: pred_uncond carries no gradient, so the unconditional model would never train: "
+                             "compute it with gradient (one forward of 2B rows, captions then the null caption: "
+                             "NullCaption.cat), or use the efficient form (drop=)")
+        raise ValueError("IMBALoss(drop=...): pred_uncond carries no gradient, so the dropped rows would never train "
+                         "the unconditional model: give those rows the null caption in the pass with gradient "
+                         "(NullCaption.where) and pass pred_uncond=loss_fn.efficient_uncond(pred, uncond, drop)")
+
+    def __call__(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
+                 drop: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
+                 sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
+        """The loss and its stats (`LossStats`). All predictions and the target are (B, C, H, W), with the target's
+        channels (slice a learned variance off first).
+
+        Without `drop`: the literal form; every row contributes λ·L* + (1 − λ)·L_u, and both predictions must carry
+        their gradient (one forward of 2B rows: captions, then the null caption).
+
+        With `drop` (bool, (B,), drawn by `draw_drop_mask`): the efficient, unbiased form. `pred_cond` comes from
+        one pass with gradient in which the dropped rows had the null caption (`NullCaption.where`); dropped rows
+        contribute only their L_u term, from `pred_uncond`, which must be that pass's prediction there, gradient
+        included; kept rows contribute only their L* term, and their `pred_uncond` (a no-grad unconditional pass)
+        only sets D. `efficient_uncond(pred, uncond, drop)` builds that `pred_uncond`. Every per-row term is
+        divided by B, so over drop ~ Bernoulli(1 − λ) the expected loss and gradient equal the literal form's.
+        With reference="cond", D exists only on kept rows, and the normalisations use only them.
+
+        `timesteps` (B,): the DiT timestep of each row, needed by normalize="timestep_mean".
+        `sample_weights` (B,): a weight per sample multiplying both of its terms (min-SNR, or any per-sample
+        weighting the script already has); the expectation over `drop` is still the weighted literal loss.
+        """
+        self._check_call(pred_cond, pred_uncond, target, drop, timesteps, sample_weights)
+        b = target.shape[0]
+        if timesteps is not None and timesteps.dim() == 0:
+            timesteps = timesteps.expand(b)
         keep = None if drop is None else ~drop
         valid = keep if (drop is not None and self.reference == "cond") else None
         weight, d = self.weights(pred_cond, pred_uncond, target, valid, timesteps)
         cond_err = token_distance(target, pred_cond, self.patch_size, "mse")  # (B, N), carries grad
         cond_term = (weight * cond_err).mean(dim=1)  # per sample: mean over tokens of D · error
         uncond_term = (_at_least_fp32(pred_uncond) - _at_least_fp32(target)).pow(2).flatten(1).mean(dim=1)
+        sample_weight = None if sample_weights is None else sample_weights.detach().to(cond_term)
         if drop is None:
-            loss = self.lam * cond_term.mean() + (1.0 - self.lam) * uncond_term.mean()
+            if sample_weight is None:
+                loss = self.lam * cond_term.mean() + (1.0 - self.lam) * uncond_term.mean()
+            else:
+                loss = (sample_weight * (self.lam * cond_term + (1.0 - self.lam) * uncond_term)).mean()
             loss_cond, valid_rows = cond_term.detach().mean(), slice(None)
         else:
-            loss = torch.where(drop, uncond_term, cond_term).mean()
+            per_row = torch.where(drop, uncond_term, cond_term)
+            loss = per_row.mean() if sample_weight is None else (sample_weight * per_row).mean()
             loss_cond = (cond_term.detach() * keep).sum() / keep.sum().clamp_min(1)
             valid_rows = slice(None) if valid is None else valid
         valid_weight, valid_d = weight[valid_rows], d[valid_rows]
         if valid_weight.numel() == 0:  # reference="cond" and every row dropped: no weight defined this batch
             valid_weight = valid_d = weight.new_full((1,), float("nan"))
-        stats = {
+        scalars = {
             "loss": loss.detach(),
             "loss_cond_weighted": loss_cond,
             # every row has an unconditional prediction (with or without grad): the mean over all is the estimate
@@ -241,6 +425,8 @@ class IMBALoss:
             "weight_std": valid_weight.std(unbiased=False),
             "weight_max": valid_weight.max(),
             "distance_mean": valid_d.mean(),
+        }
+        tensors = {
             # per-sample distance, for monitors that bucket samples by concept frequency (NaN where undefined)
             "distance_per_sample": d.mean(dim=1) if valid is None else d.mean(dim=1).masked_fill(~valid, float("nan")),
             # the same per token (B, N), for monitors that look at parts of an image
@@ -250,12 +436,33 @@ class IMBALoss:
                                      else cond_err.detach().mean(dim=1).masked_fill(drop, float("nan"))),
         }
         if drop is not None:
-            stats["caption_dropout_rate"] = drop.float().mean()
-        return loss, stats
+            scalars["caption_dropout_rate"] = drop.float().mean()
+        return loss, LossStats(scalars, tensors)
 
     def draw_drop_mask(self, batch_size: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-        """Rows that train the unconditional term in the efficient form: each dropped with probability 1 − λ."""
+        """Rows that train the unconditional term in the efficient form: each dropped with probability 1 − λ.
+        Those rows get the null caption in the pass with gradient (`NullCaption.where(drop, ...)`)."""
         return torch.rand((batch_size,), generator=generator, device=device) < (1.0 - self.lam)
+
+    @staticmethod
+    def efficient_uncond(pred: torch.Tensor, uncond: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+        """The `pred_uncond` of the efficient form: `pred` on the dropped rows, where it is the unconditional
+        prediction with its gradient (those rows had the null caption in `pred`'s pass), and the no-grad
+        unconditional prediction `uncond` on the kept rows, where it only sets D. `uncond` holds all B rows or
+        only the kept ones, in order."""
+        b = pred.shape[0]
+        if drop.shape != (b,) or drop.dtype != torch.bool:
+            raise ValueError(f"IMBALoss: drop must be a bool tensor of shape ({b},), got {drop.dtype} "
+                             f"{tuple(drop.shape)}")
+        _check_channels("uncond", uncond, pred, "pred")
+        uncond = uncond.detach().to(pred.dtype)
+        if uncond.shape == pred.shape:
+            return torch.where(drop.view(-1, *([1] * (pred.dim() - 1))), pred, uncond)
+        kept = (~drop).nonzero(as_tuple=True)[0]
+        if uncond.shape[1:] != pred.shape[1:] or uncond.shape[0] != kept.numel():
+            raise ValueError(f"IMBALoss.efficient_uncond: uncond must hold all {b} rows or the {kept.numel()} kept "
+                             f"ones, each of shape {tuple(pred.shape[1:])}; got {tuple(uncond.shape)}")
+        return pred.index_put((kept,), uncond)
 
 
 def plain_loss(pred: torch.Tensor, target: torch.Tensor, sample_weights: torch.Tensor | None = None):
@@ -263,7 +470,7 @@ def plain_loss(pred: torch.Tensor, target: torch.Tensor, sample_weights: torch.T
 
     `sample_weights` (B,) scale each sample's MSE: offline re-balancing, e.g. by inverse concept frequency (the
     baseline IMBA is compared with). Weights are used as given, so normalise them to mean 1 over the data set to
-    keep the loss scale.
+    keep the loss scale. Stats: `loss`, and the per-sample MSE in `stats.tensors["loss_per_sample"]`.
     """
     per_sample = (_at_least_fp32(pred) - _at_least_fp32(target)).pow(2).flatten(1).mean(dim=1)
     if sample_weights is None:
@@ -273,4 +480,4 @@ def plain_loss(pred: torch.Tensor, target: torch.Tensor, sample_weights: torch.T
             raise ValueError(f"plain_loss: sample_weights must have shape {tuple(per_sample.shape)}, "
                              f"got {tuple(sample_weights.shape)}")
         loss = (sample_weights.to(per_sample.dtype) * per_sample).mean()
-    return loss, {"loss": loss.detach(), "loss_per_sample": per_sample.detach()}
+    return loss, LossStats({"loss": loss.detach()}, {"loss_per_sample": per_sample.detach()})

@@ -26,10 +26,12 @@ class BucketMonitor:
         self._counts: dict[str, torch.Tensor] = {}
 
     def add(self, labels, stats: dict) -> None:
+        """`stats`: a loss's `LossStats` (its per-sample tensors) or a dict of per-sample tensors."""
+        tensors = getattr(stats, "tensors", stats)
         for key, name in self.STATS.items():
-            if key not in stats:
+            if key not in tensors:
                 continue
-            values = stats[key].detach().float().flatten()
+            values = tensors[key].detach().float().flatten()
             if values.numel() != len(labels):
                 raise ValueError(f"BucketMonitor: {len(labels)} labels for {values.numel()} values of {key}")
             index = torch.tensor([self.buckets.index(b) if b in self.buckets else -1 for b in labels],

@@ -10,6 +10,8 @@ any network with conditional and null text inputs can use it.
   same pass as plain training with caption dropout), plus a no-grad unconditional forward of the kept rows only,
   which supplies their weight D. Same expected loss and gradient as the literal form; cost ≈ 1.3× a plain step.
 - `plain`: the baseline: captions replaced by the null caption with probability 1 − λ, then MSE.
+
+It needs torch alone (`NoisedBatch` is any object with `noisy`, `timesteps` and `target`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from imba.loss import IMBALoss, plain_loss
+from imba.loss import IMBALoss, LossStats, plain_loss
 from imba.objectives import NoisedBatch
 
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,11 +31,12 @@ ESTIMATORS = ("literal", "efficient")
 class TrainingLoss:
     def __init__(self, kind: str = "imba", gamma: float = 0.8, lam: float = 0.9, patch_size: int = 2,
                  distance: str = "mse", reference: str = "target", normalize: str = "none",
-                 estimator: str = "literal", same_passes_on_every_rank: bool = False, timestep_reduce=None):
+                 estimator: str = "literal", same_passes_on_every_rank: bool = False, timestep_reduce="auto"):
         """`same_passes_on_every_rank`: run the same forward passes whatever the batch draws. Under DeepSpeed
         ZeRO-3 every forward gathers the parameters from all ranks, so no rank may skip one (the efficient
         estimator's no-grad pass then runs on all B rows instead of the kept ones).
-        `timestep_reduce`: the all-reduce `normalize="timestep_mean"` uses with several processes (`TimestepMean`)."""
+        `timestep_reduce`: how `normalize="timestep_mean"` sums its bins over processes (`TimestepMean`): "auto"
+        (over torch.distributed's default group when one is initialised), an all-reduce function, or None."""
         if kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
         if estimator not in ESTIMATORS:
@@ -48,8 +51,7 @@ class TrainingLoss:
 
     def state_dict(self) -> dict:
         """The loss's running state (the timestep means of normalize="timestep_mean"; empty otherwise)."""
-        norm = self.imba.timestep_mean
-        return {} if norm is None or self.kind == "plain" else {"timestep_mean": norm.state_dict()}
+        return {} if self.kind == "plain" else self.imba.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if "timestep_mean" in state and self.imba.timestep_mean is not None:
@@ -57,23 +59,23 @@ class TrainingLoss:
 
     def __call__(self, predict: Predict, noised: NoisedBatch, cond: tuple[torch.Tensor, torch.Tensor],
                  null: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator | None = None,
-                 drop: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None):
+                 drop: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, LossStats]:
         """Loss and stats of one batch. `drop` (bool, (B,)) fixes which rows get the null caption (plain and
-        efficient only); by default it is drawn with probability 1 − λ per row. `sample_weights` (B,) weigh the
-        plain loss per sample (offline re-balancing baseline); IMBA computes its own weights and refuses them."""
-        if sample_weights is not None and self.kind != "plain":
-            raise ValueError("sample_weights are for loss.kind=plain (offline re-balancing); IMBA weighs tokens itself")
+        efficient only); by default it is drawn with probability 1 − λ per row. `sample_weights` (B,) weigh each
+        sample's loss (offline re-balancing, min-SNR); IMBA applies them on top of its own token weights."""
         if drop is None and (self.kind == "plain" or self.estimator == "efficient"):
             drop = self.imba.draw_drop_mask(noised.noisy.shape[0], generator=generator, device=cond[0].device)
         if self.kind == "plain":
             pred = predict(noised.noisy, noised.timesteps, *_null_where_dropped(drop, cond, null))
             loss, stats = plain_loss(pred, noised.target, sample_weights)
             # rows given the null caption trained the unconditional model: not a conditional error
-            stats["loss_cond_per_sample"] = stats.pop("loss_per_sample").masked_fill(drop, float("nan"))
+            per_sample = stats.tensors.pop("loss_per_sample")
+            stats.tensors["loss_cond_per_sample"] = per_sample.masked_fill(drop, float("nan"))
             stats["caption_dropout_rate"] = drop.float().mean()
             return loss, stats
         if self.estimator == "efficient":
-            return self._efficient(predict, noised, cond, null, drop)
+            return self._efficient(predict, noised, cond, null, drop, sample_weights)
         b = noised.noisy.shape[0]
         both = predict(
             torch.cat([noised.noisy, noised.noisy]),
@@ -81,9 +83,9 @@ class TrainingLoss:
             torch.cat([cond[0], null[0]]),
             torch.cat([cond[1], null[1]]),
         )
-        return self.imba(both[:b], both[b:], noised.target, timesteps=noised.timesteps)
+        return self.imba(both[:b], both[b:], noised.target, timesteps=noised.timesteps, sample_weights=sample_weights)
 
-    def _efficient(self, predict, noised, cond, null, drop):
+    def _efficient(self, predict, noised, cond, null, drop, sample_weights):
         # the only pass with gradient: exactly a plain step with caption dropout
         pred = predict(noised.noisy, noised.timesteps, *_null_where_dropped(drop, cond, null))
         pred_uncond = pred
@@ -93,9 +95,10 @@ class TrainingLoss:
             with torch.no_grad():  # the kept rows' unconditional prediction only sets their weight D
                 uncond = predict(noised.noisy[rows], noised.timesteps[rows], null[0][rows], null[1][rows])
             uncond_kept = uncond[kept] if self.same_passes_on_every_rank else uncond
-            pred_uncond = pred.index_put((kept,), uncond_kept.to(pred.dtype))
-        # pred's dropped rows hold unconditional predictions; given `drop`, IMBALoss uses them only as such
-        return self.imba(pred, pred_uncond, noised.target, drop=drop, timesteps=noised.timesteps)
+            # pred's dropped rows hold unconditional predictions with their gradient; the kept rows' only set D
+            pred_uncond = self.imba.efficient_uncond(pred, uncond_kept, drop)
+        return self.imba(pred, pred_uncond, noised.target, drop=drop, timesteps=noised.timesteps,
+                         sample_weights=sample_weights)
 
 
 def _null_where_dropped(drop: torch.Tensor, cond, null):

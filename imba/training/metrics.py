@@ -28,9 +28,11 @@ class MetricWindow:
         self._counts: dict[str, torch.Tensor] = {}
 
     def add(self, stats: dict) -> None:
+        """`stats`: a loss's `LossStats`, whose items are its scalars (the per-sample and per-token tensors, for the
+        concept-bucket monitor, are apart), or a dict, whose `*_per_sample` / `*_per_token` entries are skipped."""
         for name, value in stats.items():
             if name.endswith(("_per_sample", "_per_token")):
-                continue  # per-sample and per-token tensors are for the concept-bucket monitor, not scalar logs
+                continue
             value = torch.as_tensor(value).detach()
             value = value.reshape(()).float()
             finite = torch.isfinite(value)  # e.g. a weight statistic that is undefined for this batch
