@@ -1,0 +1,117 @@
+"""The null caption: the empty prompt "" as a frozen text encoder sees it, for the unconditional passes of IMBA.
+
+    null = NullCaption.encode(tokenizer, text_encoder, max_length=120).to(device)   # once, at set-up
+    embeds, mask = null.cat(prompt_embeds, prompt_attention_mask)           # literal: 2B rows, captions then ""
+    embeds, mask = null.where(drop, prompt_embeds, prompt_attention_mask)   # efficient: "" on the dropped rows
+
+`encode` tokenises and encodes "" exactly as diffusers' PixArt pipelines encode their default negative prompt
+(padded to `max_length` with its attention mask, special tokens added), so the unconditional model trains on the
+input that classifier-free guidance gives it at sampling time. It takes any Hugging Face tokenizer and encoder
+(a `T5EncoderModel`, or anything whose output's first element is the hidden states) and imports neither
+transformers nor diffusers: this module needs torch alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NullCaption:
+    """(1, L, D) embeddings and (1, L) attention mask of the empty caption.
+
+    `cat` and `where` fit the null caption to the captions' length L' (a null caption is one real token and
+    padding, so cutting padding off or adding masked padding leaves what the transformer attends to unchanged),
+    to their dtype and device. Both refuse captions that already contain the null caption: IMBA trains the
+    unconditional model with weight 1 − lam, which replaces the script's own caption dropout (it must be 0).
+    """
+
+    def __init__(self, embeds: torch.Tensor, mask: torch.Tensor) -> None:
+        embeds = embeds if embeds.dim() == 3 else embeds.unsqueeze(0)
+        mask = mask if mask.dim() == 2 else mask.unsqueeze(0)
+        if embeds.shape[0] != 1 or mask.shape != embeds.shape[:2]:
+            raise ValueError(f"NullCaption: expects embeds (1, L, D) and mask (1, L), got {tuple(embeds.shape)} and "
+                             f"{tuple(mask.shape)}")
+        self.embeds, self.mask = embeds.detach(), mask
+
+    @classmethod
+    @torch.no_grad()
+    def encode(cls, tokenizer, text_encoder, max_length: int, device=None, dtype: torch.dtype | None = None
+               ) -> "NullCaption":
+        """Encode "" as PixArt's pipelines encode the negative prompt: `max_length` is the script's caption length
+        (120 for PixArt-α, 300 for PixArt-Σ). `device`: the encoder's by default; `dtype`: the encoder's output's."""
+        tokens = tokenizer([""], padding="max_length", max_length=max_length, truncation=True,
+                           return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
+        if device is None:
+            device = next(text_encoder.parameters()).device
+        mask = tokens.attention_mask.to(device)
+        embeds = text_encoder(tokens.input_ids.to(device), attention_mask=mask)[0]
+        return cls(embeds if dtype is None else embeds.to(dtype), mask)
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "NullCaption":
+        """On `device`; `dtype` applies to the embeddings (the mask keeps its integer type)."""
+        return NullCaption(self.embeds.to(device=device, dtype=dtype), self.mask.to(device))
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def expand(self, batch_size: int, like: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """(embeds (B, L, D), mask (B, L)): the null caption for every row, e.g. for a no-grad unconditional pass.
+        `like`: (embeds, mask) of captions whose length, dtype and device to take."""
+        embeds, mask = self._fit(like) if like is not None else (self.embeds, self.mask)
+        return embeds.expand(batch_size, -1, -1), mask.expand(batch_size, -1)
+
+    def kwargs(self, batch_size: int, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+        """`encoder_hidden_states` and `encoder_attention_mask` of the null caption, the keyword arguments a diffusers
+        PixArt transformer takes: `transformer(x, timestep=t, **null.kwargs(B), ...)`."""
+        embeds, mask = self.expand(batch_size, like)
+        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
+
+    def cat(self, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The literal form's conditioning of 2B rows: the B captions, then B null captions (pair them with the
+        noisy latents and timesteps repeated twice, and split the prediction with `.chunk(2)`)."""
+        self._check_captions(embeds, mask)
+        null_embeds, null_mask = self.expand(embeds.shape[0], like=(embeds, mask))
+        return torch.cat([embeds, null_embeds]), torch.cat([mask, null_mask])
+
+    def where(self, drop: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The efficient form's conditioning: the null caption on the rows where `drop` (bool, (B,)) is True, the
+        captions elsewhere."""
+        b = embeds.shape[0]
+        if drop.shape != (b,) or drop.dtype != torch.bool:
+            raise ValueError(f"NullCaption.where: drop must be a bool tensor of shape ({b},), got {drop.dtype} "
+                             f"{tuple(drop.shape)}")
+        self._check_captions(embeds, mask)
+        null_embeds, null_mask = self._fit((embeds, mask))
+        drop = drop.to(embeds.device)
+        return (torch.where(drop[:, None, None], null_embeds, embeds),
+                torch.where(drop[:, None], null_mask, mask))
+
+    def _fit(self, like: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The null caption at the length, dtype and device of the captions `like`."""
+        embeds, mask = like
+        if embeds.dim() != 3 or mask.shape != embeds.shape[:2] or embeds.shape[2] != self.embeds.shape[2]:
+            raise ValueError(f"NullCaption: captions must be embeds (B, L, {self.embeds.shape[2]}) and mask (B, L), "
+                             f"got {tuple(embeds.shape)} and {tuple(mask.shape)}")
+        length = embeds.shape[1]
+        null_embeds = self.embeds.to(device=embeds.device, dtype=embeds.dtype)
+        null_mask = self.mask.to(device=mask.device, dtype=mask.dtype)
+        if length < self.length:
+            if bool(null_mask[:, length:].any()):
+                raise ValueError(f"NullCaption: captions of {length} tokens cannot hold the null caption's "
+                                 f"{int(null_mask.sum())} real tokens")
+            return null_embeds[:, :length], null_mask[:, :length]
+        pad = length - self.length
+        return (torch.nn.functional.pad(null_embeds, (0, 0, 0, pad)), torch.nn.functional.pad(null_mask, (0, pad)))
+
+    def _check_captions(self, embeds: torch.Tensor, mask: torch.Tensor) -> None:
+        null_embeds, null_mask = self._fit((embeds, mask))
+        same_mask = (mask == null_mask).all(dim=1)
+        # the same tokens give the same states up to the rounding of another batch size or a half-precision encoder
+        close = (embeds - null_embeds).abs().flatten(1).amax(dim=1) <= 0.05 * null_embeds.abs().amax() + 1e-6
+        rows = (same_mask & close) | (embeds == 0).flatten(1).all(dim=1)
+        if bool(rows.any()):
+            raise ValueError(f"NullCaption: caption rows {rows.nonzero().flatten().tolist()} already are the null "
+                             "caption (or zeros): IMBA's 1 − lam replaces the script's caption dropout, so set that "
+                             "to 0 (e.g. --proportion_empty_prompts 0) and leave images without a caption out")

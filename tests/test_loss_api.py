@@ -1,0 +1,268 @@
+"""The loss's API for a script of someone else's: every call that would train wrong is refused in one line that
+says what to pass; the null caption is the pipeline's; per-sample weights compose; stats log as they are; the
+running state saves and loads."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from imba import IMBALoss, LossStats, NullCaption
+from imba.monitor import BucketMonitor
+from imba.training.metrics import MetricWindow
+
+
+def tensors(*shape, n=3, seed=0, grad=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(grad) for _ in range(n)]
+
+
+# ---- the unconditional prediction must carry its gradient -------------------------------------------------------
+
+def test_efficient_form_refuses_a_no_grad_unconditional_prediction_and_names_the_fix():
+    pred, = tensors(4, 4, 4, 4, n=1, grad=True)
+    uncond, target = tensors(4, 4, 4, 4, n=2, seed=1)
+    drop = torch.tensor([True, False, True, False])
+    with pytest.raises(ValueError, match=r"pred_uncond=loss_fn\.efficient_uncond\(pred, uncond, drop\)") as err:
+        IMBALoss()(pred, uncond, target, drop=drop)
+    assert "\n" not in str(err.value)
+    loss, _ = IMBALoss()(pred, IMBALoss.efficient_uncond(pred, uncond, drop), target, drop=drop)
+    loss.backward()
+    assert torch.count_nonzero(pred.grad[drop].flatten(1), dim=1).min() > 0  # the dropped rows train uncond
+
+
+def test_literal_form_refuses_a_no_grad_unconditional_prediction():
+    pred, = tensors(2, 4, 4, 4, n=1, grad=True)
+    uncond, target = tensors(2, 4, 4, 4, n=2, seed=1)
+    with pytest.raises(ValueError, match="pred_uncond carries no gradient.*never train"):
+        IMBALoss()(pred, uncond, target)
+    IMBALoss(lam=1.0)(pred, uncond, target)  # no unconditional term: nothing to train
+    with torch.no_grad():
+        IMBALoss()(pred, uncond, target)  # evaluation
+
+
+def test_efficient_uncond_is_pred_on_dropped_rows_and_the_no_grad_pass_elsewhere():
+    pred, = tensors(4, 2, 2, 2, n=1, grad=True)
+    uncond_all, = tensors(4, 2, 2, 2, n=1, seed=3)
+    drop = torch.tensor([False, True, True, False])
+    merged = IMBALoss.efficient_uncond(pred, uncond_all, drop)
+    assert torch.equal(merged[drop], pred[drop].detach()) and torch.equal(merged[~drop], uncond_all[~drop])
+    kept_only = IMBALoss.efficient_uncond(pred, uncond_all[~drop], drop)  # a no-grad pass of the kept rows only
+    assert torch.equal(kept_only, merged)
+    merged.sum().backward()
+    assert pred.grad[drop].eq(1).all() and pred.grad[~drop].eq(0).all()
+    with pytest.raises(ValueError, match="all 4 rows or the 2 kept ones"):
+        IMBALoss.efficient_uncond(pred, uncond_all[:3], drop)
+
+
+def test_efficient_uncond_gives_the_same_loss_and_gradient_as_the_pass_itself():
+    """Old protocol (pred_uncond = pred on dropped rows, no-grad elsewhere, built by hand) and the helper agree."""
+    pred, = tensors(4, 4, 4, 4, n=1, grad=True, dtype=torch.float64)
+    uncond, target = tensors(4, 4, 4, 4, n=2, seed=2, dtype=torch.float64)
+    drop = torch.tensor([True, False, False, True])
+    kept = (~drop).nonzero(as_tuple=True)[0]
+    by_hand = pred.index_put((kept,), uncond[kept])
+    a, _ = IMBALoss()(pred, by_hand, target, drop=drop)
+    grad_a, = torch.autograd.grad(a, pred)
+    b, _ = IMBALoss()(pred, IMBALoss.efficient_uncond(pred, uncond, drop), target, drop=drop)
+    grad_b, = torch.autograd.grad(b, pred)
+    assert torch.equal(a, b) and torch.equal(grad_a, grad_b)
+
+
+# ---- shapes: learned variance, timesteps, patch size ---------------------------------------------------------
+
+def test_learned_variance_channels_are_refused_with_the_slice_to_take():
+    pred, uncond = tensors(2, 8, 4, 4, n=2, grad=True)
+    target, = tensors(2, 4, 4, 4, n=1)
+    with pytest.raises(ValueError, match=r"pred_cond has 8 channels and target 4: .*pred_cond\[:, :4\].*chunk"):
+        IMBALoss()(pred, uncond, target)
+    with pytest.raises(ValueError, match=r"uncond has 8 channels and pred 4"):
+        IMBALoss.efficient_uncond(pred[:, :4], uncond, torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="pred_cond has 6 channels and target 4: they must be the same"):
+        IMBALoss()(pred[:, :6], uncond[:, :6], target)
+
+
+def test_timesteps_and_sample_weights_need_one_value_per_row():
+    pc, pu, t = tensors(3, 4, 4, 4)
+    with pytest.raises(ValueError, match=r"timesteps must have shape \(3,\)"):
+        IMBALoss(normalize="timestep_mean")(pc, pu, t, timesteps=torch.ones(3, 1))
+    with pytest.raises(ValueError, match=r"sample_weights must have shape \(3,\), one weight per sample"):
+        IMBALoss()(pc, pu, t, sample_weights=torch.ones(2))
+    # one timestep for the whole batch, as diffusers also accepts it
+    a, _ = IMBALoss(normalize="timestep_mean")(pc, pu, t, timesteps=torch.tensor(500))
+    b, _ = IMBALoss(normalize="timestep_mean")(pc, pu, t, timesteps=torch.full((3,), 500))
+    assert torch.equal(a, b)
+
+
+def tiny_pixart(patch_size):
+    from diffusers import PixArtTransformer2DModel
+
+    return PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+                                    num_layers=1, cross_attention_dim=16, sample_size=8, patch_size=patch_size,
+                                    caption_channels=8, use_additional_conditions=False)
+
+
+def test_patch_size_comes_from_the_transformer_and_a_wrong_one_is_refused():
+    transformer = tiny_pixart(4)
+    loss_fn = IMBALoss.for_transformer(transformer, gamma=0.5, normalize="batch_mean")
+    assert (loss_fn.patch_size, loss_fn.gamma, loss_fn.normalize) == (4, 0.5, "batch_mean")
+
+    class Wrapped(torch.nn.Module):  # as DDP or DeepSpeed's engine hold the model
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert IMBALoss.for_transformer(Wrapped(transformer)).patch_size == 4
+    loss_fn.check_transformer(Wrapped(transformer))
+    with pytest.raises(ValueError, match=r"patch_size is 2, but the transformer's config has patch_size=4: .*"
+                                         r"IMBALoss\.for_transformer"):
+        IMBALoss(patch_size=2).check_transformer(transformer)
+    with pytest.raises(ValueError, match="patch_size is 2, but the transformer's config has patch_size=4"):
+        IMBALoss.for_transformer(transformer, patch_size=2)
+    with pytest.raises(ValueError, match="cannot be read from Linear"):
+        IMBALoss.for_transformer(torch.nn.Linear(2, 2))
+
+
+# ---- per-sample weights (min-SNR) --------------------------------------------------------------------------------
+
+def test_sample_weights_scale_both_terms_of_each_sample():
+    pc, pu, t = tensors(3, 4, 4, 4, dtype=torch.float64)
+    w = torch.tensor([0.5, 2.0, 0.0], dtype=torch.float64)
+    fn = IMBALoss(gamma=0.8, lam=0.7)
+    weighted, _ = fn(pc, pu, t, sample_weights=w)
+    per_sample = [fn(pc[i:i + 1], pu[i:i + 1], t[i:i + 1])[0] for i in range(3)]  # one sample: its own loss
+    torch.testing.assert_close(weighted, sum(wi * li for wi, li in zip(w, per_sample)) / 3)
+    assert torch.equal(fn(pc, pu, t, sample_weights=torch.ones(3, dtype=torch.float64))[0], fn(pc, pu, t)[0])
+
+
+def test_weighted_efficient_form_is_the_weighted_literal_form_in_expectation():
+    pc, pu, t = tensors(3, 4, 4, 4, dtype=torch.float64, seed=4)
+    w = torch.tensor([0.3, 1.0, 4.0], dtype=torch.float64)
+    fn = IMBALoss(gamma=0.8, lam=0.6)
+    literal, _ = fn(pc, pu, t, sample_weights=w)
+    expected = 0.0
+    for bits in itertools.product([False, True], repeat=3):
+        drop = torch.tensor(bits)
+        p = torch.tensor([0.4 if dropped else 0.6 for dropped in bits], dtype=torch.float64).prod()
+        expected = expected + p * fn(pc, pu, t, drop=drop, sample_weights=w)[0]
+    torch.testing.assert_close(expected, literal)
+
+
+# ---- stats -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("drop", [None, torch.tensor([True, False])])
+def test_stats_map_scalars_and_keep_tensors_apart(drop):
+    pc, pu, t = tensors(2, 4, 4, 4)
+    _, stats = IMBALoss()(pc, pu, t, drop=drop)
+    assert isinstance(stats, LossStats) and all(v.dim() == 0 for v in stats.values())
+    assert set(stats.tensors) == {"distance_per_sample", "distance_per_token", "loss_cond_per_sample"}
+    assert stats.tensors["distance_per_token"].shape == (2, 4) and stats["distance_per_sample"].shape == (2,)
+    assert "distance_per_token" in stats and "distance_per_token" not in list(stats)
+    floats = stats.floats()
+    assert list(floats) == list(stats) and all(type(v) is float for v in floats.values())
+    assert floats["loss"] == pytest.approx(stats["loss"].item())
+    stats["grad_norm"] = torch.tensor(3.0)
+    stats["per_row_extra"] = torch.ones(2)  # a tensor with dimensions goes with the tensors
+    assert "per_row_extra" in stats.tensors and "per_row_extra" not in dict(stats)
+    window = MetricWindow()
+    window.add(stats)
+    assert set(window.means()) == set(dict(stats))
+    monitor = BucketMonitor()
+    monitor.add(["head", "tail"], stats)
+    assert "monitor/distance_head" in monitor.means()
+    with pytest.raises(KeyError):
+        stats["nothing"]
+
+
+# ---- running state -----------------------------------------------------------------------------------------
+
+def test_running_state_saves_loads_and_refuses_another_loss(tmp_path):
+    pc, pu, t = tensors(4, 2, 4, 4)
+    steps = torch.tensor([10, 400, 700, 999])
+    a = IMBALoss(normalize="timestep_mean")
+    a(pc, pu, t, timesteps=steps)
+    torch.save(a.state_dict(), tmp_path / "loss.pt")  # what accelerator.save_state does with a registered object
+    b = IMBALoss(normalize="timestep_mean")
+    b.load_state_dict(torch.load(tmp_path / "loss.pt"))
+    assert torch.equal(a(pc, pu, t, timesteps=steps)[0], b(pc, pu, t, timesteps=steps)[0])
+    assert IMBALoss().state_dict() == {}
+    with pytest.raises(ValueError, match="holds timestep means but this loss has normalize='none'"):
+        IMBALoss().load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="holds no timestep means"):
+        IMBALoss(normalize="timestep_mean").load_state_dict({})
+
+
+def test_timestep_means_reduce_over_processes_unless_told_not_to():
+    calls = []
+    fn = IMBALoss(normalize="timestep_mean", timestep_reduce=lambda totals: calls.append(totals.shape))
+    pc, pu, t = tensors(2, 2, 4, 4)
+    fn(pc, pu, t, timesteps=torch.tensor([1, 999]))
+    assert calls == [(2, 10)]
+    assert IMBALoss(normalize="timestep_mean").timestep_reduce == "auto"  # all-reduce when a group is running
+    with pytest.raises(ValueError, match="timestep_reduce must be 'auto', None or an all-reduce function"):
+        IMBALoss(normalize="timestep_mean", timestep_reduce="sum")
+
+
+# ---- the null caption ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def text():
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+                                      feed_forward_proj="gated-gelu", is_encoder_decoder=False)).eval()
+    return ByT5Tokenizer(), encoder
+
+
+def test_null_caption_is_the_pipelines_negative_prompt(text):
+    """The unconditional model trains on what classifier-free guidance gives it: PixArtAlphaPipeline's encoding of
+    its default negative prompt, at the prompts' length."""
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtAlphaPipeline
+
+    tokenizer, encoder = text
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4, sample_size=8)
+    pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=vae, transformer=tiny_pixart(2),
+                               scheduler=DPMSolverMultistepScheduler())
+    _, _, negative, negative_mask = pipe.encode_prompt("a red circle", do_classifier_free_guidance=True,
+                                                       device="cpu", max_sequence_length=12)
+    null = NullCaption.encode(tokenizer, encoder, max_length=12)
+    embeds, mask = null.expand(1)
+    assert torch.equal(mask, negative_mask) and torch.equal(embeds, negative)
+    assert int(null.mask.sum()) == 1  # "" is one token, </s>
+
+
+def test_null_caption_fills_rows_at_the_captions_length_dtype_and_device(text):
+    tokenizer, encoder = text
+    null = NullCaption.encode(tokenizer, encoder, max_length=6)
+    captions = tokenizer(["a cat", "two dogs running"], padding="max_length", max_length=10, truncation=True,
+                         return_tensors="pt")
+    with torch.no_grad():
+        embeds = encoder(captions.input_ids, attention_mask=captions.attention_mask)[0].to(torch.bfloat16)
+    both, both_mask = null.cat(embeds, captions.attention_mask)
+    assert both.shape == (4, 10, 8) and both.dtype == torch.bfloat16 and both_mask.shape == (4, 10)
+    assert torch.equal(both[:2], embeds) and both_mask[2:].sum(dim=1).tolist() == [1, 1]
+    assert torch.equal(both[2, :6], null.embeds[0].to(torch.bfloat16)) and both[2, 6:].eq(0).all()
+    mixed, mixed_mask = null.where(torch.tensor([False, True]), embeds, captions.attention_mask)
+    assert torch.equal(mixed[0], embeds[0]) and torch.equal(mixed[1], both[3])
+    assert torch.equal(mixed_mask[1], both_mask[3])
+    short, short_mask = null.expand(3, like=(embeds[:, :2], captions.attention_mask[:, :2]))
+    assert short.shape == (3, 2, 8) and short_mask.tolist() == [[1, 0]] * 3
+    assert null.kwargs(2)["encoder_attention_mask"].shape == (2, 6)
+
+
+def test_captions_that_already_hold_the_null_caption_are_refused(text):
+    """The script's own caption dropout left on: IMBA's 1 − lam replaces it."""
+    tokenizer, encoder = text
+    null = NullCaption.encode(tokenizer, encoder, max_length=8)
+    tokens = tokenizer(["a cat", ""], padding="max_length", max_length=8, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        embeds = encoder(tokens.input_ids, attention_mask=tokens.attention_mask)[0]
+    with pytest.raises(ValueError, match=r"caption rows \[1\] already are the null caption .*caption dropout.* 0"):
+        null.cat(embeds, tokens.attention_mask)
+    with pytest.raises(ValueError, match=r"caption rows \[0\]"):
+        null.where(torch.tensor([False]), torch.zeros_like(embeds[:1]), tokens.attention_mask[:1])
+    with pytest.raises(ValueError, match=r"drop must be a bool tensor of shape \(2,\)"):
+        null.where(torch.tensor([0, 1]), embeds, tokens.attention_mask)
