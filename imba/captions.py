@@ -23,20 +23,23 @@ class NullCaption:
     padding, so cutting padding off or adding masked padding leaves what the transformer attends to unchanged),
     to their dtype and device. Both refuse captions that already contain the null caption: IMBA trains the
     unconditional model with weight 1 − lam, which replaces the script's own caption dropout (it must be 0).
+    `allow_empty_captions=True` lets such rows through, for a data set that holds empty captions on purpose (they
+    then train the unconditional model on top of its 1 − lam share).
     """
 
-    def __init__(self, embeds: torch.Tensor, mask: torch.Tensor) -> None:
+    def __init__(self, embeds: torch.Tensor, mask: torch.Tensor, allow_empty_captions: bool = False) -> None:
         embeds = embeds if embeds.dim() == 3 else embeds.unsqueeze(0)
         mask = mask if mask.dim() == 2 else mask.unsqueeze(0)
         if embeds.shape[0] != 1 or mask.shape != embeds.shape[:2]:
             raise ValueError(f"NullCaption: expects embeds (1, L, D) and mask (1, L), got {tuple(embeds.shape)} and "
                              f"{tuple(mask.shape)}")
         self.embeds, self.mask = embeds.detach(), mask
+        self.allow_empty_captions = allow_empty_captions
 
     @classmethod
     @torch.no_grad()
-    def encode(cls, tokenizer, text_encoder, max_length: int, device=None, dtype: torch.dtype | None = None
-               ) -> "NullCaption":
+    def encode(cls, tokenizer, text_encoder, max_length: int, device=None, dtype: torch.dtype | None = None,
+               allow_empty_captions: bool = False) -> "NullCaption":
         """Encode "" as PixArt's pipelines encode the negative prompt: `max_length` is the script's caption length
         (120 for PixArt-α, 300 for PixArt-Σ). `device`: the encoder's by default; `dtype`: the encoder's output's."""
         tokens = tokenizer([""], padding="max_length", max_length=max_length, truncation=True,
@@ -45,11 +48,11 @@ class NullCaption:
             device = next(text_encoder.parameters()).device
         mask = tokens.attention_mask.to(device)
         embeds = text_encoder(tokens.input_ids.to(device), attention_mask=mask)[0]
-        return cls(embeds if dtype is None else embeds.to(dtype), mask)
+        return cls(embeds if dtype is None else embeds.to(dtype), mask, allow_empty_captions)
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "NullCaption":
         """On `device`; `dtype` applies to the embeddings (the mask keeps its integer type)."""
-        return NullCaption(self.embeds.to(device=device, dtype=dtype), self.mask.to(device))
+        return NullCaption(self.embeds.to(device=device, dtype=dtype), self.mask.to(device), self.allow_empty_captions)
 
     @property
     def length(self) -> int:
@@ -106,6 +109,8 @@ class NullCaption:
         return (torch.nn.functional.pad(null_embeds, (0, 0, 0, pad)), torch.nn.functional.pad(null_mask, (0, pad)))
 
     def _check_captions(self, embeds: torch.Tensor, mask: torch.Tensor) -> None:
+        if self.allow_empty_captions:
+            return
         null_embeds, null_mask = self._fit((embeds, mask))
         same_mask = (mask == null_mask).all(dim=1)
         # the same tokens give the same states up to the rounding of another batch size or a half-precision encoder
@@ -114,4 +119,5 @@ class NullCaption:
         if bool(rows.any()):
             raise ValueError(f"NullCaption: caption rows {rows.nonzero().flatten().tolist()} already are the null "
                              "caption (or zeros): IMBA's 1 − lam replaces the script's caption dropout, so set that "
-                             "to 0 (e.g. --proportion_empty_prompts 0) and leave images without a caption out")
+                             "to 0 (e.g. --proportion_empty_prompts 0); a data set with empty captions on purpose: "
+                             "NullCaption.encode(..., allow_empty_captions=True)")

@@ -266,3 +266,7 @@ def test_captions_that_already_hold_the_null_caption_are_refused(text):
         null.where(torch.tensor([False]), torch.zeros_like(embeds[:1]), tokens.attention_mask[:1])
     with pytest.raises(ValueError, match=r"drop must be a bool tensor of shape \(2,\)"):
         null.where(torch.tensor([0, 1]), embeds, tokens.attention_mask)
+    # a data set with empty captions on purpose: let through, the null caption appended after them as usual
+    allowing = NullCaption.encode(tokenizer, encoder, max_length=8, allow_empty_captions=True).to("cpu")
+    both, both_mask = allowing.cat(embeds, tokens.attention_mask)
+    assert torch.equal(both[:2], embeds) and torch.equal(both[2:], allowing.expand(2, like=(embeds, tokens.attention_mask))[0])
