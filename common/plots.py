@@ -10,7 +10,8 @@
 
 Every function writes one PNG of exactly ``size`` pixels and returns its path. Head, torso and tail have the same
 colour in every figure (``BUCKET_COLOURS``, the colour-blind-safe Okabe–Ito blue, orange and bluish green).
-Only the plotting code needs matplotlib: ``import imba`` does not import this module.
+Only the plotting code needs matplotlib: ``import imba`` does not import this module, and the callers import it
+inside the function that draws.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """bytes -> tensors: shard reading, image transforms, writers, precompute, synthetic data, concept statistics.
 
-Never imports imba or train; only the precompute command imports models (it runs the frozen VAE and T5).
+Never imports imba or train; only the precompute command imports models (it runs the frozen VAE and T5). English
+words, the synthetic set's shape and colour names (shared with the tiny-words tokenizer) and the figures come from
+common/.
 """
 
 from .buckets import assign_buckets, bucket_sizes, nearest_bucket, resize_to_bucket

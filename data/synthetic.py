@@ -24,7 +24,9 @@ from typing import Any, BinaryIO
 import webdataset as wds
 from PIL import Image, ImageDraw
 
-from .concepts.text import with_article
+from common.shapes_words import COLOURS, SHAPES
+from common.text import with_article
+
 from .files import atomic_write, read_json_object, write_json
 
 __all__ = [
@@ -41,9 +43,8 @@ __all__ = [
     "write_synthetic_shards",
 ]
 
-# Head first: index 0 is the most frequent concept, the last one the rarest.
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "diamond", "cross", "hexagon", "ring")
-COLOURS: tuple[str, ...] = ("red", "blue", "green", "yellow", "purple", "orange", "black", "cyan")
+# SHAPES and COLOURS (common.shapes_words, shared with the tiny-words tokenizer) are listed head first: index 0 is
+# the most frequent concept, the last one the rarest.
 COLOUR_RGB: dict[str, tuple[int, int, int]] = {
     "red": (215, 30, 35),
     "blue": (30, 75, 215),

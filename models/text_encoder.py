@@ -16,6 +16,8 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
+from common.shapes_words import COLOURS, SHAPES
+
 TINY = "tiny"
 TINY_WORDS = "tiny-words"
 TINY_SEED = 1234
@@ -25,8 +27,6 @@ SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 def word_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer of the synthetic captions ("a red circle and an orange square"): lower-cased, split on
     whitespace and punctuation, `</s>` appended as T5 does; ids are fixed by the order of the vocabulary."""
-    from data.synthetic import COLOURS, SHAPES
-
     words = [*SPECIAL_TOKENS, "a", "an", "and", *COLOURS, *SHAPES]
     tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()

@@ -2,9 +2,9 @@
 
 Real runs load the SD VAE (4 latent channels, 8× downsampling, scaling factor 0.18215) from a hub id or a local
 folder, e.g. `stabilityai/sd-vae-ft-ema`. Two small ones with the same latent layout (4 channels, 8× downsampling)
-need no download: `"shapes"`, trained on the synthetic shapes and shipped with the code (`models/shapes_vae.py`),
-the CPU default run's VAE, whose decoder shows what the DiT learned; and `"tiny"`, random from a fixed seed, for
-tests that only need the plumbing.
+need no download: `"shapes"`, trained on the synthetic shapes (`python -m imba.training.shapes_vae`) and shipped
+with the code (`models/shapes_vae/`), the CPU default run's VAE, whose decoder shows what the DiT learned; and
+`"tiny"`, random from a fixed seed, for tests that only need the plumbing.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import collections
 import io
 import itertools
@@ -23,8 +22,6 @@ from data.streaming import make_image_text_loader
 from data.urls import expand_urls
 from data.synthetic import (COLOUR_RGB, COLOURS, P_TWO_OBJECTS, SAMPLE_PROMPTS, SHAPES, caption_for,
                             write_synthetic_shards)
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,27 +158,6 @@ def test_sample_prompts_use_the_vocabulary():
     assert all(c in COLOURS and s in SHAPES for c, s in pairs)
     assert (COLOURS[-1], SHAPES[-1]) in pairs  # the rarest pair is among them
     assert any(" and " in p for p in SAMPLE_PROMPTS)
-
-
-def test_data_does_not_import_train_imba_or_models():
-    # Two exceptions, each inside the function that needs it: the precompute *command* runs the frozen encoders
-    # (models' public loaders), and the concept statistics draw their long-tail figure (imba.plots). The readers
-    # and every other data module stay free of models/ and imba/.
-    nested_ok = {"precompute.py": "models", "stats.py": "imba"}
-    for path in (REPO / "data").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        allowed = nested_ok.get(path.name)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] if node.level == 0 else []
-            else:
-                continue
-            roots = {n.split(".")[0] for n in names}
-            if allowed in roots and node not in tree.body:
-                roots.discard(allowed)
-            assert not roots & {"train", "imba", "models", "torchvision"}, (path, names)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What installing the project puts on a user's path: `imba` (the loss with torch alone), and not the repository's
-`models/` and `data/` folders, whose names a user's own project may well use."""
+`models/`, `data/` and `common/` folders, whose names a user's own project may well use."""
 
 import os
 import subprocess
@@ -9,8 +9,9 @@ CHECK = """
 import importlib.util, sys
 import imba
 from imba import IMBALoss
-assert not {"diffusers", "transformers", "accelerate", "data", "models"} & set(sys.modules), sorted(sys.modules)
-assert importlib.util.find_spec("models") is None and importlib.util.find_spec("data") is None
+loaded = set(sys.modules)
+assert not {"diffusers", "transformers", "accelerate", "data", "models", "common"} & loaded, sorted(loaded)
+assert all(importlib.util.find_spec(name) is None for name in ("models", "data", "common"))
 print("ok")
 """
 

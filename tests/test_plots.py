@@ -1,11 +1,11 @@
-"""imba.plots: each figure is a PNG of the requested pixel size; empty input fails with a clear message."""
+"""common.plots: each figure is a PNG of the requested pixel size; empty input fails with a clear message."""
 
 import sys
 
 import pytest
 from PIL import Image
 
-from imba import plots
+from common import plots
 
 
 def png_size(path):
@@ -17,7 +17,7 @@ def png_size(path):
 def test_import_imba_does_not_load_matplotlib():
     import subprocess
 
-    code = "import sys, imba; assert 'matplotlib' not in sys.modules and 'imba.plots' not in sys.modules"
+    code = "import sys, imba; assert 'matplotlib' not in sys.modules and 'common.plots' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 

@@ -3,11 +3,11 @@
 import torch
 
 from data.synthetic import make_sample
-from models import shapes_vae
+from imba.training import shapes_vae
 from models.vae import SHAPES, load_vae, vae_scale_factor
 
 # The shipped weights measured 0.039 MAE and 24.1 dB PSNR (pixels in [0, 1]) on the first 32 held-out scenes at
-# 128 px (0.042 and 23.9 dB on 64: python -m models.shapes_vae --check); most of the error is the background's
+# 128 px (0.042 and 23.9 dB on 64: python -m imba.training.shapes_vae --check); most of the error is the background's
 # faint tint. The bounds leave room for other CPUs' arithmetic, not for a worse model: the random "tiny" VAE is at
 # ~0.4 MAE.
 MAX_MAE_128 = 0.05

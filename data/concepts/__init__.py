@@ -4,8 +4,8 @@
     python -m data.concepts --captions captions.jsonl --out stats/
     python -m data.concepts build-benchmark --stats stats/concepts.json --out prompts.json
 
-One module per step, each documenting its definitions:
-  text          words (tokenising, plural folding) and English articles ("an apple", "some water")
+One module per step, each documenting its definitions; the words themselves (tokenising, plural folding, English
+articles: "an apple", "some water") are `common.text`'s, which the evaluation (`imba.eval`) shares:
   vocab         the concept vocabulary (bundled `concept_vocab.txt`, or `--vocab FILE`) and the extractors that
                 find a caption's concepts (`VocabExtractor`, the default; `SpacyExtractor`, optional)
   captions      captions read from tar shards (without reading images) and from caption files
@@ -20,6 +20,8 @@ One module per step, each documenting its definitions:
 Outputs of `stats` (in --out): concepts.csv, concepts.json, long_tail.png, cooccurrence.csv.
 """
 
+from common.text import noun_phrase, singularize, tokenize, with_article
+
 from .benchmark import TEMPLATES, build_benchmark, log_frequency_bins
 from .buckets import BUCKETS, assign_buckets, bucket_summary, caption_bucket, caption_buckets
 from .captions import iter_caption_file, iter_shard_captions
@@ -27,7 +29,6 @@ from .cli import main
 from .cooccurrence import cooccurrence_table, npmi
 from .counting import ConceptStats, collect_stats, count_concepts
 from .stats import PLOT_SIZE, STATS_FORMAT, CaptionBucketer, extractor_from_stats, load_buckets, load_stats, write_stats
-from .text import noun_phrase, singularize, tokenize, with_article
 from .vocab import (
     DEFAULT_VOCAB_PATH,
     ExtractorUnavailable,

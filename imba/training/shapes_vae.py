@@ -2,12 +2,13 @@
 
 A random VAE's decoder does not invert its encoder, so nothing a DiT learns on its latents can be seen in a sample.
 This one is trained here, on renders of `data.synthetic` (a seed of its own, so the default run's shards are
-held out), and shipped as a diffusers folder next to this file (`shapes_vae/`, loaded with `model.vae=shapes`).
+held out), and shipped as a diffusers folder, `models/shapes_vae/` (loaded with `model.vae=shapes`). The trainer
+sits above `data/` and `models/` because it needs both; `models/` itself imports nothing else of the project.
 It keeps SD-VAE's latent layout (4 channels, 8× downsampling), so everything sized for the SD VAE fits it, and its
 `scaling_factor` is measured the way SD's 0.18215 was: 1 / std of the latents of its training images.
 
-    python -m models.shapes_vae            # retrain, overwrite models/shapes_vae/ (deterministic; 12 min, 2 cores)
-    python -m models.shapes_vae --check    # reconstruction error of the shipped weights on held-out renders
+    python -m imba.training.shapes_vae          # retrain, overwrite models/shapes_vae/ (deterministic; 12 min, 2 cores)
+    python -m imba.training.shapes_vae --check  # reconstruction error of the shipped weights on held-out renders
 """
 
 from __future__ import annotations
