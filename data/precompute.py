@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import io
 import json
 import logging
@@ -51,6 +50,7 @@ from .precompute_output import (
     write_null_text,
     write_record,
 )
+from .precompute_settings import PrecomputeSettings, encoder_dtypes
 from .precomputed import (
     LATENT_MEMBER,
     MANIFEST_NAME,
@@ -72,53 +72,6 @@ log = logging.getLogger(__name__)
 NONFINITE = "non-finite features"
 
 
-def _encoder_dtypes() -> dict[str, torch.dtype]:
-    """model.encoder_dtype name -> torch dtype (models/ is imported only once settings are checked)."""
-    from models.encoders import DTYPES
-
-    return DTYPES
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Settings
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecomputeSettings:
-    """What determines the stored features; stored in every shard record and the manifest.
-
-    Names and meanings follow the training config: data.resolution, data.caption_field, model.vae,
-    model.vae_subfolder, model.text_encoder, model.text_encoder_subfolder, model.tokenizer_subfolder,
-    model.encoder_dtype, model.max_text_tokens, data.min_size; `text_dtype` is the storage dtype of the T5 states.
-    """
-
-    resolution: int
-    vae: str = "shapes"
-    vae_subfolder: str = ""
-    text_encoder: str = "tiny"
-    text_encoder_subfolder: str = ""
-    tokenizer_subfolder: str = ""
-    encoder_dtype: str = "float32"
-    max_text_tokens: int = 64
-    text_dtype: str = "float16"
-    caption_field: str = "caption"
-    min_size: int = 0
-
-    def __post_init__(self) -> None:
-        if self.resolution < 1 or self.max_text_tokens < 1 or self.min_size < 0:
-            raise ValueError(f"need resolution >= 1, max_text_tokens >= 1, min_size >= 0 (got {self.resolution}, "
-                             f"{self.max_text_tokens}, {self.min_size})")
-        if self.text_dtype not in TEXT_DTYPES:
-            raise ValueError(f"text_dtype must be one of {list(TEXT_DTYPES)} (got {self.text_dtype!r})")
-        encoder_dtypes = _encoder_dtypes()
-        if self.encoder_dtype not in encoder_dtypes:
-            raise ValueError(f"encoder_dtype must be one of {sorted(encoder_dtypes)} (got {self.encoder_dtype!r})")
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Encoders (writing side only: imports models/ lazily)
 # --------------------------------------------------------------------------------------------------------------
@@ -131,7 +84,7 @@ class _Encoders:
         from models.text_encoder import TextConditioner, load_text_encoder
         from models.vae import load_vae, vae_scale_factor
 
-        dtype = _encoder_dtypes()[settings.encoder_dtype]
+        dtype = encoder_dtypes()[settings.encoder_dtype]
         tokenizer, t5 = load_text_encoder(settings.text_encoder, settings.text_encoder_subfolder,
                                           settings.tokenizer_subfolder, dtype=dtype)
         vae = load_vae(settings.vae, settings.vae_subfolder, dtype=dtype)
@@ -404,7 +357,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="model.text_encoder: hub id, local folder, 'tiny-words' or 'tiny'")
     p.add_argument("--text-encoder-subfolder", default="", help="model.text_encoder_subfolder")
     p.add_argument("--tokenizer-subfolder", default="", help="model.tokenizer_subfolder")
-    p.add_argument("--encoder-dtype", default="float32", choices=sorted(_encoder_dtypes()),
+    p.add_argument("--encoder-dtype", default="float32", choices=sorted(encoder_dtypes()),
                    help="model.encoder_dtype: dtype the VAE and T5 run in")
     p.add_argument("--max-text-tokens", type=int, default=64, help="model.max_text_tokens")
     p.add_argument("--text-dtype", "--dtype", default="float16", choices=TEXT_DTYPES,

@@ -15,13 +15,14 @@ import glob
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import webdataset as wds
 
 from .files import read_json_object, write_json
 from .files import atomic_write
+from .precompute_settings import PrecomputeSettings
 from .precomputed import (
     FORMAT_KIND,
     MANIFEST_NAME,
@@ -32,9 +33,6 @@ from .precomputed import (
     null_text_dtype,
 )
 from .text_states import encode_states
-
-if TYPE_CHECKING:  # data.precompute imports this module
-    from .precompute import PrecomputeSettings
 
 __all__ = [
     "RECORD_SUFFIX",
