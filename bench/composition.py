@@ -48,7 +48,7 @@ for path in (str(REPO), str(REPO / "bench")):
 import torch  # noqa: E402
 
 from composition_scenes import (BUCKETS, COLOURS, FAILURES, SHAPES, TILE, Oracle, PairWorld,  # noqa: E402
-                                TilePool, WordEncoder, judge, pair_name, train_oracle)
+                                TilePool, WordEncoder, bucket_success, judge, pair_name, probe_prompts, train_oracle)
 
 # kind / reference / normalize / estimator: imba.training_loss.TrainingLoss; balanced: the pair-balanced stream;
 # reweight: plain MSE weighted per scene by the mean of its two objects' weights, either the inverse frequency of
@@ -151,19 +151,6 @@ def importance_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[int, int
     expectation, the loss of the pair-balanced stream (mean 1 over the pool's tiles by construction)."""
     counts = Counter(pool_pairs)
     return {p: len(pool_pairs) / (len(counts) * n) for p, n in counts.items()}
-
-
-def probe_prompts(world: PairWorld, per_pair: int) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
-    """(probed pair, left, right) per evaluation sample: each pair `per_pair` times, alternately on the left and
-    on the right, next to a head pair (cycled, never the probed pair itself)."""
-    heads = [p for p in world.seen if world.buckets[p] == "head"]
-    out = []
-    for i, pair in enumerate(world.pairs):
-        partners = [h for h in heads if h != pair]
-        for k in range(per_pair):
-            partner = partners[(i + k // 2) % len(partners)]
-            out.append((pair, pair, partner) if k % 2 == 0 else (pair, partner, pair))
-    return out
 
 
 @torch.no_grad()
@@ -352,15 +339,6 @@ def saved_run(runs_dir: Path, job: dict, recorded: list[dict] = ()) -> dict | No
         if run.get("settings") == {k: job[k] for k in JOB_SETTINGS}:
             return {**run, "results": {int(k): v for k, v in run["results"].items()}}
     return None
-
-
-def bucket_success(per_pair: dict, world: PairWorld) -> dict:
-    """Mean success over the pairs of each bucket, and over all seen pairs."""
-    out = {}
-    for bucket in BUCKETS:
-        out[bucket] = statistics.fmean(per_pair[pair_name(p)] for p in world.pairs if world.buckets[p] == bucket)
-    out["all_seen"] = statistics.fmean(per_pair[pair_name(p)] for p in world.seen)
-    return out
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:

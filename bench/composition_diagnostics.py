@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from composition_scenes import TILE, PairWorld, WordEncoder
+from composition_scenes import TILE, PairWorld, WordEncoder, bucket_success, probe_prompts
 
 PROMPTS_PER_PAIR = 4
 DRAWS = 2
@@ -27,8 +27,6 @@ K = 10
 def world_features(model, text: WordEncoder, world: PairWorld, patch: int, seed: int = 0):
     """What `diagnose` takes, over the world's probe prompts (see the module docstring): (per-block features,
     caption features, {"colour", "shape"} labels, bucket per row, seen per row)."""
-    from composition import probe_prompts
-
     from models.dit_features import prompt_features
 
     prompts = probe_prompts(world, PROMPTS_PER_PAIR)
@@ -88,13 +86,9 @@ def stream_objects(joint: torch.Tensor, colours: torch.Tensor, shapes: torch.Ten
     joint.view(-1).index_add_(0, colours * joint.shape[1] + shapes, torch.ones(len(colours), dtype=joint.dtype))
 
 
-
-
 def run_numbers(run: dict, length: int, world: PairWorld) -> dict | None:
     """Composition success per bucket, the stream's colour–shape NMI and `diagnostic_numbers` of one run at one
     length (None where the run was not evaluated there, or has no diagnostics)."""
-    from composition import bucket_success
-
     result = run["results"].get(length)
     if not result or "diagnostics" not in result:
         return None

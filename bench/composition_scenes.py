@@ -1,6 +1,6 @@
 """The synthetic world of the composition benchmark: two-object scenes built from a long-tailed pool of object
-tiles, the long-tailed and the pair-balanced training streams, a word-level text encoder, and the oracle that reads
-generated scenes.
+tiles, the long-tailed and the pair-balanced training streams, a word-level text encoder, the oracle that reads
+generated scenes, the probe prompts the benchmark evaluates on and the success per bucket.
 
 A *pair* is one (colour, shape) object. A tile is a 16 × 16 RGB render of one pair (`data.synthetic.render_objects`);
 a scene is two tiles side by side (16 × 32), captioned "a <colour> <shape> and a <colour> <shape>", left object
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import colorsys
 import random
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -114,6 +115,28 @@ def caption(left: tuple[int, int], right: tuple[int, int]) -> str:
 
 def pair_name(pair: tuple[int, int]) -> str:
     return f"{colour_word(pair[0])} {SHAPES[pair[1]]}"
+
+
+def probe_prompts(world: PairWorld, per_pair: int) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+    """(probed pair, left, right) per evaluation sample: each pair `per_pair` times, alternately on the left and
+    on the right, next to a head pair (cycled, never the probed pair itself)."""
+    heads = [p for p in world.seen if world.buckets[p] == "head"]
+    out = []
+    for i, pair in enumerate(world.pairs):
+        partners = [h for h in heads if h != pair]
+        for k in range(per_pair):
+            partner = partners[(i + k // 2) % len(partners)]
+            out.append((pair, pair, partner) if k % 2 == 0 else (pair, partner, pair))
+    return out
+
+
+def bucket_success(per_pair: dict, world: PairWorld) -> dict:
+    """Mean success over the pairs of each bucket, and over all seen pairs."""
+    out = {}
+    for bucket in BUCKETS:
+        out[bucket] = statistics.fmean(per_pair[pair_name(p)] for p in world.pairs if world.buckets[p] == bucket)
+    out["all_seen"] = statistics.fmean(per_pair[pair_name(p)] for p in world.seen)
+    return out
 
 
 def render_tiles(pairs: list[tuple[int, int] | None], seed: int, tag: str) -> torch.Tensor:

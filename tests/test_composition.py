@@ -17,7 +17,7 @@ import composition  # noqa: E402
 from composition_diagnostics import pearson, world_features  # noqa: E402
 from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHAPES, Oracle,  # noqa: E402
                                 PairWorld, TilePool, WordEncoder, caption, colour_value, judge, oracle_accuracy,
-                                pair_name, render_tiles, rotate_hue, train_oracle)
+                                pair_name, probe_prompts, render_tiles, rotate_hue, train_oracle)
 
 
 def test_world_holds_out_pairs_and_splits_the_seen_ones_in_thirds():
@@ -111,7 +111,7 @@ def test_judge_counts_a_missing_object_and_a_colour_on_the_wrong_shape():
 
 def test_probe_prompts_put_each_pair_on_both_sides_next_to_head_pairs():
     world = PairWorld()
-    prompts = composition.probe_prompts(world, 4)
+    prompts = probe_prompts(world, 4)
     assert len(prompts) == 4 * len(world.pairs)
     heads = {p for p in world.seen if world.buckets[p] == "head"}
     for probe, left, right in prompts:
