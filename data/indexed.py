@@ -36,7 +36,7 @@ from .buckets import assign_buckets, bucket_sizes
 from .decode import DecodeSamples, collate as collate_samples
 from .index import ShardIndex, load_or_build_index, parse_sample
 from .order import BucketBatchSampler, IndexedBatchSampler
-from .skips import CORRUPT_TAR, UNREADABLE_SHARD, ReaderStats, counts_since
+from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples, ReaderStats, counts_since, too_small_advice
 from .streaming import check_loader_args
 
 __all__ = ["IndexedShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "make_indexed_loader"]
@@ -191,11 +191,9 @@ class IndexedShards(torch.utils.data.Dataset):
                 if shard not in self._bad_shards:
                     self._known_bad.add(k)
             k = (k + 1) % n
-        raise RuntimeError(
-            f"sample {i} and the {visited - 1} after it are all unusable ({self.stats.bad}; bad shards: "
-            f"{self.stats.shards_bad}) in {self.stats.where}; check the shards, the image format and "
-            f"data.caption_field"
-        )
+        advice = too_small_advice(self.stats.bad) or "check the shards, the image format and data.caption_field"
+        raise NoUsableSamples(f"sample {i} and the {visited - 1} after it are all unusable ({self.stats.bad}; bad "
+                              f"shards: {self.stats.shards_bad}) in {self.stats.where}; {advice}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -297,6 +295,12 @@ def make_indexed_loader(
         raise ValueError("aspect-ratio bucketing reads samples in a uniform order: set shard_window=0")
     buckets = bucket_sizes(resolution, bucket_divisor, max_aspect_ratio) if bucketing else None  # checks first
     dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir, min_size=min_size)
+    if min_size:  # the index holds every image's size: a minimum that none meets is reported before any batch
+        shorter = dataset.index.sizes.min(axis=1)
+        largest = int(shorter.max()) if len(shorter) else 0  # 0: no readable image header, bad samples anyway
+        if 0 < largest < min_size:
+            raise ValueError(f"data.min_size={min_size}: no image in {dataset.stats.where} is that large (the "
+                             f"largest shorter side is {largest} px); lower data.min_size")
     if buckets is not None:
         sizes = dataset.index.sizes
         sampler = BucketBatchSampler(assign_buckets(sizes[:, 0], sizes[:, 1], buckets), buckets, batch_size,

@@ -2,8 +2,8 @@
 
 Bad samples and shards are skipped, counted per reason (`ReaderStats`), logged (rate-limited, plus a per-reason
 summary every few minutes) and never fatal — except when nothing readable has come out at all after many attempts,
-which is a wrong path or layout, reported in one line instead of an endless silent loop. Sample reasons (the same
-for the streaming and the indexed reader):
+which is a wrong path or layout, or a `min_size` above every image: reported in one line (`NoUsableSamples`) instead
+of an endless silent loop. Sample reasons (the same for the streaming and the indexed reader):
 
   bad image                 undecodable or truncated image
   missing image             no jpg/jpeg/png/webp member (e.g. a caption whose image was never written)
@@ -35,6 +35,8 @@ __all__ = [
     "UNREADABLE_SHARD",
     "CORRUPT_TAR",
     "BadSample",
+    "NoUsableSamples",
+    "too_small_advice",
     "ReaderStats",
     "warn_rate_limited",
     "shard_failure_reason",
@@ -66,6 +68,18 @@ class BadSample(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+class NoUsableSamples(RuntimeError):
+    """Nothing usable came out of a reader after many attempts: a wrong path or layout, or a setting that no sample
+    meets (data.min_size above every image). One line, naming what to change."""
+
+
+def too_small_advice(bad: dict[str, int]) -> str | None:
+    """What to change when every skipped sample was an image too small (`bad`: reason -> count), else None."""
+    if bad and set(bad) == {TOO_SMALL}:
+        return "every image read is smaller than data.min_size (its shorter side, in pixels): lower data.min_size"
+    return None
 
 
 def warn_rate_limited(count: int, message: str) -> None:
@@ -117,10 +131,9 @@ class ReaderStats:
     def failed(self, what: str) -> None:
         self.failures_in_a_row += 1
         if self.good == 0 and self.failures_in_a_row >= MAX_FAILURES_BEFORE_FIRST_SAMPLE:
-            raise RuntimeError(
-                f"no usable sample after {self.failures_in_a_row} failures reading {self.where} "
-                f"(last: {what}); check the shard paths, image format and caption field"
-            )
+            advice = too_small_advice(self.bad) or "check the shard paths, image format and caption field"
+            raise NoUsableSamples(f"no usable sample after {self.failures_in_a_row} failures reading {self.where} "
+                                  f"(last: {what}); {advice}")
 
 
 def shard_failure_reason(exn: BaseException) -> str:

@@ -22,7 +22,19 @@ from imba.training.config import Config, ConfigError, tracker_names
 from imba.training.ema import is_partitioned
 
 
+def check_output_dir(out: Path) -> None:
+    """ConfigError unless the run's folder `out` is a folder or can be made one: neither it nor a folder above it
+    may be a file (every rank checks, before the accelerator makes anything there)."""
+    for path in (out, *out.parents):
+        if path.is_dir():
+            return
+        if path.exists():
+            where = "is a file" if path == out else f"is inside {path}, which is a file"
+            raise ConfigError(f"train.output_dir={out} {where}: set train.output_dir to a new or existing folder")
+
+
 def make_accelerator(cfg: Config, out: Path) -> Accelerator:
+    check_output_dir(out)
     trackers = tracker_names(cfg.train.trackers)
     if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
         trackers.remove("tensorboard")  # accelerate's tracker needs it; skip quietly when absent

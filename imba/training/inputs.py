@@ -15,6 +15,7 @@ from data.files import read_json_object, write_json
 from data.loaders import build_loader
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import MANIFEST_NAME, find_manifest
+from data.skips import NoUsableSamples, too_small_advice
 from data.urls import expand_urls, is_remote
 from data.synthetic import write_synthetic_shards
 from imba.training.config import Config, ConfigError
@@ -80,9 +81,15 @@ def precompute_once(cfg: Config, accelerator: Accelerator, out: Path, shards: li
     try:
         precompute_shards(shards, folder, settings, batch_size=32, device=accelerator.device,
                           rank=accelerator.process_index, world_size=accelerator.num_processes)
-    except (OSError, ValueError) as err:  # encoders that cannot load, a resolution the VAE cannot encode
+    except (OSError, ValueError, NoUsableSamples) as err:
+        # encoders that cannot load, a resolution the VAE cannot encode, shards with nothing usable in them
         raise ConfigError(f"data.precompute: {str(err).splitlines()[0]}") from err
     accelerator.wait_for_everyone()  # the last rank to finish has written the manifest
+    manifest = read_json_object(folder / MANIFEST_NAME) or {}
+    if manifest.get("samples") == 0:  # fewer bad samples than the readers' give-up count, but not one good
+        skipped = manifest.get("skipped") or {}
+        advice = too_small_advice(skipped) or "check the shards, the image format and data.caption_field"
+        raise ConfigError(f"data.precompute: no usable sample in {len(shards)} shards (skipped: {skipped}); {advice}")
     return expand_urls(str(folder))
 
 
