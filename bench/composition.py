@@ -492,7 +492,7 @@ def markdown_report(summary: dict, gaps: dict, failures: dict, variants: list[st
 def bar_plot(summary: dict, variants: list[str], lengths: list[int], path: Path) -> None:
     """Grouped bars per bucket: one panel per equal-steps length, plus the plain-cost variants trained on to
     1.3× and 2× of it (equal compute with the efficient and the literal IMBA step)."""
-    from common.plots import plot_grouped_bars
+    from imba.plots import plot_grouped_bars
 
     panels = {f"{length} training steps": {v: summary[length][v] for v in variants if v in summary.get(length, {})}
               for length in lengths}
@@ -524,7 +524,7 @@ def diagnose_saved_model(folder: Path, out: Path) -> int:
     from composition_diagnostics import world_diagnostics
     from diffusers import PixArtTransformer2DModel
 
-    from common.plots import plot_block_diagnostics
+    from imba.plots import plot_block_diagnostics
 
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: {folder} holds no saved model (config.json): pass a folder of OUT/models/")
@@ -634,7 +634,7 @@ def levers_relations_columns() -> list[str]:
 def levers_plots(levers: dict, runs: list[dict], variants: list[str], out: Path) -> None:
     """levers.png: held-out success against NMI, the shape probe's gap and CKA, one point per run; blocks.png:
     CKA and the shape probe on held-out pairs per block, mean over seeds, one line per variant."""
-    from common.plots import plot_series
+    from imba.plots import plot_series
 
     length = min(levers["points"])
     points = levers["points"][length]
@@ -750,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         pool.close()  # let the workers exit on their own: the terminate() of `with` can deadlock on idle ones
         pool.join()
 
-    from common.plots import plot_monitor
+    from imba.plots import plot_monitor
 
     world = PairWorld()
     summary = summarise(runs, world)

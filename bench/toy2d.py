@@ -377,8 +377,8 @@ def format_results(results: ToyResults) -> str:
 
 def draw_scatter(results: ToyResults, path: str | Path, size: tuple[int, int] | None = None) -> None:
     """One scatter panel per variant (first seed, shortest length): generated head and tail samples in the bucket
-    colours of common.plots, the true class means as crosses and the generated tail mean as a ring."""
-    from common.plots import ScatterPanel, plot_scatter_2d
+    colours of imba.plots, the true class means as crosses and the generated tail mean as a ring."""
+    from imba.plots import ScatterPanel, plot_scatter_2d
 
     variants = [v for v in results.variants if v in results.samples]
     if not variants:

@@ -1,8 +1,7 @@
 """bytes -> tensors: shard reading, image transforms, writers, precompute, synthetic data, concept statistics.
 
-Never imports imba or train; only the precompute command imports models (it runs the frozen VAE and T5). English
-words, the synthetic set's shape and colour names (shared with the tiny-words tokenizer) and the figures come from
-common/.
+Never imports imba or train; only the precompute command imports models (it runs the frozen VAE and T5), to which
+it passes the synthetic captions' words as the tiny-words tokenizer's vocabulary.
 """
 
 from .buckets import assign_buckets, bucket_sizes, nearest_bucket, resize_to_bucket

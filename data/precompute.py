@@ -62,6 +62,7 @@ from .precomputed import (
 )
 from .skips import ReaderStats, counts_since, warn_rate_limited
 from .streaming import ReadShards
+from .synthetic import CAPTION_WORDS
 from .text_states import TEXT_DTYPES, encode_states, states_from_numpy
 from .urls import expand_urls
 
@@ -86,7 +87,7 @@ class _Encoders:
 
         dtype = encoder_dtypes()[settings.encoder_dtype]
         tokenizer, t5 = load_text_encoder(settings.text_encoder, settings.text_encoder_subfolder,
-                                          settings.tokenizer_subfolder, dtype=dtype)
+                                          settings.tokenizer_subfolder, dtype=dtype, words=CAPTION_WORDS)
         vae = load_vae(settings.vae, settings.vae_subfolder, dtype=dtype)
         downsample = vae_scale_factor(vae)
         latent_size, rest = divmod(settings.resolution, downsample)

@@ -24,14 +24,13 @@ from typing import Any, BinaryIO
 import webdataset as wds
 from PIL import Image, ImageDraw
 
-from common.shapes_words import COLOURS, SHAPES
-from common.text import with_article
-
 from .files import atomic_write, read_json_object, write_json
+from .text import with_article
 
 __all__ = [
     "SHAPES",
     "COLOURS",
+    "CAPTION_WORDS",
     "COLOUR_RGB",
     "SAMPLE_PROMPTS",
     "ZIPF_EXPONENT",
@@ -43,8 +42,12 @@ __all__ = [
     "write_synthetic_shards",
 ]
 
-# SHAPES and COLOURS (common.shapes_words, shared with the tiny-words tokenizer) are listed head first: index 0 is
-# the most frequent concept, the last one the rarest.
+# Head first: index 0 is the most frequent concept, the last one the rarest.
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "diamond", "cross", "hexagon", "ring")
+COLOURS: tuple[str, ...] = ("red", "blue", "green", "yellow", "purple", "orange", "black", "cyan")
+# Every word a caption is written with, the vocabulary of the word-level tiny T5 (`model.text_encoder=tiny-words`):
+# its token ids follow this order, so appending keeps the ids of saved runs and reordering changes them.
+CAPTION_WORDS: tuple[str, ...] = ("a", "an", "and", *COLOURS, *SHAPES)
 COLOUR_RGB: dict[str, tuple[int, int, int]] = {
     "red": (215, 30, 35),
     "blue": (30, 75, 215),

@@ -5,7 +5,7 @@ concept-frequency bucket, over training steps.
     python -m imba.monitor_plot outputs/tiny/metrics.jsonl --out fig6.png
 
 Reads the `monitor/<stat>_<bucket>` columns that `imba.monitor.BucketMonitor` writes (train.concept_stats) and
-draws them with `common.plots.plot_monitor`.
+draws them with `imba.plots.plot_monitor`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def read_monitor(path: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.plots import plot_monitor  # matplotlib is needed only here, not to read the metrics
+    from imba.plots import plot_monitor  # matplotlib is needed only here, not to read the metrics
 
     parser = argparse.ArgumentParser(description="Plot the IMBA monitor (distance and loss per concept bucket).")
     parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")

@@ -10,6 +10,8 @@ states, so the loop does not care which one it has:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from models.text_encoder import TextConditioner, load_text_encoder
@@ -29,9 +31,12 @@ class FrozenEncoders:
 
     @classmethod
     def load(cls, text_encoder: str, vae: str, max_text_tokens: int, device, dtype: torch.dtype = torch.float32,
-             text_encoder_subfolder: str = "", tokenizer_subfolder: str = "", vae_subfolder: str = ""):
-        """From "tiny", hub ids or local folders; raises OSError with a one-line message when they cannot load."""
-        tokenizer, t5 = load_text_encoder(text_encoder, text_encoder_subfolder, tokenizer_subfolder, dtype=dtype)
+             text_encoder_subfolder: str = "", tokenizer_subfolder: str = "", vae_subfolder: str = "",
+             words: Sequence[str] = ()):
+        """From "tiny", hub ids or local folders; raises OSError with a one-line message when they cannot load.
+        `words`: the vocabulary of the "tiny-words" text encoder."""
+        tokenizer, t5 = load_text_encoder(text_encoder, text_encoder_subfolder, tokenizer_subfolder, dtype=dtype,
+                                          words=words)
         vae_model = load_vae(vae, vae_subfolder, dtype=dtype)
         return cls(tokenizer, t5.to(device), vae_model.to(device), max_text_tokens)
 

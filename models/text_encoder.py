@@ -4,19 +4,20 @@ Real runs load T5 v1.1 XXL (4096-d) from a hub id or a local folder, e.g. `googl
 `text_encoder`/`tokenizer` subfolders of a PixArt repository. `"tiny"` builds a small random T5 encoder with a
 byte-level tokenizer (`ByT5Tokenizer`, which needs no vocabulary file): the same classes, no download, for tests,
 for any text. Its weights come from a fixed seed, so every process and every resume gets the same encoder.
-`"tiny-words"` is the same random T5 over a word-level tokenizer of the synthetic shapes' vocabulary (one token per
-word, `<unk>` for any other), the CPU default run's: a shape's name is then one vector of its own rather than a
-run of bytes it shares with other words.
+`"tiny-words"` is the same random T5 over a word-level tokenizer of a closed vocabulary the caller passes (`words`:
+one token per word, `<unk>` for any other), the CPU default run's with the synthetic captions' words: a shape's name
+is then one vector of its own rather than a run of bytes it shares with other words. The vocabulary is an argument
+because models/ imports nothing of the project; the callers that know the data pass it.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast, T5Config, T5EncoderModel
-
-from common.shapes_words import COLOURS, SHAPES
 
 TINY = "tiny"
 TINY_WORDS = "tiny-words"
@@ -24,10 +25,15 @@ TINY_SEED = 1234
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 
 
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level tokenizer of the synthetic captions ("a red circle and an orange square"): lower-cased, split on
-    whitespace and punctuation, `</s>` appended as T5 does; ids are fixed by the order of the vocabulary."""
-    words = [*SPECIAL_TOKENS, "a", "an", "and", *COLOURS, *SHAPES]
+def word_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over `words` (e.g. the synthetic captions' "a red circle and an orange square"):
+    lower-cased, split on whitespace and punctuation, `</s>` appended as T5 does. Ids: T5's special tokens 0-2, then
+    `words` in the order given."""
+    if not words:
+        raise ValueError("the word-level tokenizer needs a vocabulary: pass the words of the captions")
+    words = [*SPECIAL_TOKENS, *words]
+    if len(set(words)) != len(words):
+        raise ValueError("the word-level tokenizer's vocabulary repeats a word (or names a special token)")
     tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -50,10 +56,12 @@ def _tiny_t5(vocab_size: int) -> T5EncoderModel:
 
 
 def load_text_encoder(spec: str, subfolder: str = "", tokenizer_subfolder: str = "",
-                      dtype: torch.dtype = torch.float32):
-    """(tokenizer, frozen T5EncoderModel in eval mode) from "tiny", "tiny-words", a hub id or a local path."""
+                      dtype: torch.dtype = torch.float32, words: Sequence[str] = ()):
+    """(tokenizer, frozen T5EncoderModel in eval mode) from "tiny", "tiny-words", a hub id or a local path.
+
+    `words`: the vocabulary of "tiny-words" (`word_tokenizer`), ignored by the others."""
     if spec in (TINY, TINY_WORDS):
-        tokenizer = ByT5Tokenizer() if spec == TINY else word_tokenizer()
+        tokenizer = ByT5Tokenizer() if spec == TINY else word_tokenizer(words)
         # ByT5: 256 bytes + 3 special tokens + 125 sentinel ids
         encoder = _tiny_t5(384 if spec == TINY else len(tokenizer)).to(dtype)
     else:

@@ -58,10 +58,10 @@ def test_null_embedding_matches_encoding_the_empty_caption():
 
 
 def test_word_level_tiny_encoder_gives_each_word_of_the_synthetic_world_one_token(tmp_path):
-    from data.synthetic import COLOURS, SHAPES
+    from data.synthetic import CAPTION_WORDS, COLOURS, SHAPES
     from models.text_encoder import word_tokenizer
 
-    tok, t5 = load_text_encoder("tiny-words")
+    tok, t5 = load_text_encoder("tiny-words", words=CAPTION_WORDS)
     assert not t5.training and not any(p.requires_grad for p in t5.parameters())
     assert t5.config.vocab_size == len(tok) == 3 + 3 + len(COLOURS) + len(SHAPES)
     text = TextConditioner(tok, t5, max_length=16)
@@ -74,9 +74,9 @@ def test_word_level_tiny_encoder_gives_each_word_of_the_synthetic_world_one_toke
     assert len({w[1] for w in words}) == len(SHAPES) and all(len(w) == 2 for w in words)
     torch.testing.assert_close(text.null_embeds[0], embeds[3])
     # deterministic, and the saved tokenizer loads back as the stock pipeline loads it
-    _, t5_b = load_text_encoder("tiny-words")
+    _, t5_b = load_text_encoder("tiny-words", words=CAPTION_WORDS)
     assert all(torch.equal(a, b) for a, b in zip(t5.parameters(), t5_b.parameters()))
-    word_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    word_tokenizer(CAPTION_WORDS).save_pretrained(tmp_path / "tokenizer")
     from transformers import AutoTokenizer
 
     again = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")

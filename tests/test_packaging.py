@@ -1,5 +1,5 @@
 """What installing the project puts on a user's path: `imba` (the loss with torch alone), and not the repository's
-`models/`, `data/` and `common/` folders, whose names a user's own project may well use."""
+`models/` and `data/` folders, whose names a user's own project may well use."""
 
 import os
 import subprocess
@@ -10,8 +10,8 @@ import importlib.util, sys
 import imba
 from imba import IMBALoss
 loaded = set(sys.modules)
-assert not {"diffusers", "transformers", "accelerate", "data", "models", "common"} & loaded, sorted(loaded)
-assert all(importlib.util.find_spec(name) is None for name in ("models", "data", "common"))
+assert not {"diffusers", "transformers", "accelerate", "data", "models"} & loaded, sorted(loaded)
+assert all(importlib.util.find_spec(name) is None for name in ("models", "data"))
 print("ok")
 """
 

@@ -1,11 +1,12 @@
-"""common.plots: each figure is a PNG of the requested pixel size; empty input fails with a clear message."""
+"""imba.plots and data.concepts.plot: each figure is a PNG of the requested pixel size; empty input fails with a clear message."""
 
 import sys
 
 import pytest
 from PIL import Image
 
-from common import plots
+from data.concepts import plot as concepts_plot
+from imba import plots
 
 
 def png_size(path):
@@ -17,7 +18,8 @@ def png_size(path):
 def test_import_imba_does_not_load_matplotlib():
     import subprocess
 
-    code = "import sys, imba; assert 'matplotlib' not in sys.modules and 'common.plots' not in sys.modules"
+    code = ("import sys, imba, data.concepts; "
+            "assert not {'matplotlib', 'imba.plots', 'data.concepts.plot'} & set(sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
@@ -25,10 +27,11 @@ def test_long_tail_has_the_exact_size_and_draws_an_empty_count(tmp_path):
     counts = {f"c{i}": max(1, 5000 // (i + 1)) for i in range(300)}
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])
     buckets = {c: "head" if i < 5 else "torso" if i < 40 else "tail" for i, (c, _) in enumerate(ranked)}
-    out = plots.plot_long_tail(ranked, buckets, tmp_path / "sub" / "long_tail.png", title="t", size=(777, 555))
+    out = concepts_plot.plot_long_tail(ranked, buckets, tmp_path / "sub" / "long_tail.png", title="t",
+                                       size=(777, 555))
     assert out == tmp_path / "sub" / "long_tail.png" and png_size(out) == (777, 555)
     # no concept counted: the figure says so instead of failing (a caption set may name none)
-    assert png_size(plots.plot_long_tail([("a", 0)], {}, tmp_path / "empty.png")) == (960, 640)
+    assert png_size(concepts_plot.plot_long_tail([("a", 0)], {}, tmp_path / "empty.png")) == (960, 640)
 
 
 def test_monitor_has_the_exact_size_and_rejects_an_empty_series(tmp_path):
@@ -60,4 +63,4 @@ def test_scatter_has_the_exact_size_and_rejects_no_panels(tmp_path):
 
 def test_a_too_small_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="at least 100 x 100"):
-        plots.plot_long_tail([("a", 3)], {"a": "head"}, tmp_path / "x.png", size=(50, 400))
+        concepts_plot.plot_long_tail([("a", 3)], {"a": "head"}, tmp_path / "x.png", size=(50, 400))

@@ -5,7 +5,7 @@
     python -m data.concepts build-benchmark --stats stats/concepts.json --out prompts.json
 
 One module per step, each documenting its definitions; the words themselves (tokenising, plural folding, English
-articles: "an apple", "some water") are `common.text`'s, which the evaluation (`imba.eval`) shares:
+articles: "an apple", "some water") are `data.text`'s, which the evaluation (`imba.eval`) shares:
   vocab         the concept vocabulary (bundled `concept_vocab.txt`, or `--vocab FILE`) and the extractors that
                 find a caption's concepts (`VocabExtractor`, the default; `SpacyExtractor`, optional)
   captions      captions read from tar shards (without reading images) and from caption files
@@ -16,11 +16,13 @@ articles: "an apple", "some water") are `common.text`'s, which the evaluation (`
                 them back (`load_stats`, `load_buckets`, `CaptionBucketer`)
   benchmark     the inert-concept composition prompts built from concepts.json
   cli           `python -m data.concepts stats | build-benchmark`
+  plot          long_tail.png, and the bucket colours, style and figure that `imba.plots` draws with too
+                (matplotlib; not imported here)
 
 Outputs of `stats` (in --out): concepts.csv, concepts.json, long_tail.png, cooccurrence.csv.
 """
 
-from common.text import noun_phrase, singularize, tokenize, with_article
+from ..text import noun_phrase, singularize, tokenize, with_article
 
 from .benchmark import TEMPLATES, build_benchmark, log_frequency_bins
 from .buckets import BUCKETS, assign_buckets, bucket_summary, caption_bucket, caption_buckets

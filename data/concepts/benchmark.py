@@ -17,13 +17,13 @@ import os
 import random
 from typing import Any, Mapping, Sequence
 
-from common.text import noun_phrase
+from ..text import noun_phrase
 
 from .stats import load_stats
 
 __all__ = ["TEMPLATES", "log_frequency_bins", "build_benchmark"]
 
-# `{a}` and `{b}` are filled with the concepts including their article ("an apple", `common.text.noun_phrase`).
+# `{a}` and `{b}` are filled with the concepts including their article ("an apple", `data.text.noun_phrase`).
 TEMPLATES: tuple[str, ...] = (
     "a photo of {a} and {b}",
     "{a} next to {b}",

@@ -2,7 +2,7 @@
 
 `write_stats` writes into one folder: concepts.csv (concept, count, fraction, rank, bucket), concepts.json (the
 same rows with each concept's kind, plus totals, the bucket definition, per-bucket ranges, the equivalent count
-thresholds and every pair of concepts seen together), long_tail.png (`common.plots.plot_long_tail`) and
+thresholds and every pair of concepts seen together), long_tail.png (`data.concepts.plot.plot_long_tail`) and
 cooccurrence.csv (`cooccurrence_table`). `fraction` = count / number of non-empty captions read; `rank` = 1 for the
 most frequent concept, ties broken alphabetically (ordinal ranks, as plotted). `load_stats`, `load_buckets`,
 `extractor_from_stats` and `CaptionBucketer.from_stats` read a concepts.json back.
@@ -104,7 +104,7 @@ def write_stats(
         json.dump(payload, f, indent=1)
         f.write("\n")
 
-    from common.plots import plot_long_tail  # matplotlib only where a plot is drawn
+    from .plot import plot_long_tail  # matplotlib only where a plot is drawn
 
     title = f"Concept frequency: {len(ranked):,} concepts in {stats.num_captions:,} captions"
     plot_long_tail(ranked, buckets, paths["long_tail.png"], size=plot_size, title=title, summary=summary)

@@ -4,7 +4,7 @@ The default extractor, `VocabExtractor`, matches the bundled vocabulary (`data/c
 visual nouns plus colour attributes, including the synthetic set's SHAPES and COLOURS; `--vocab FILE` replaces
 it, same format, see the file's header; no download needed): the caption is lower-cased, possessives ("dog's")
 and punctuation are dropped, each word is folded to a singular that the vocabulary knows (cats -> cat, boxes ->
-box, berries -> berry, leaves -> leaf, mice -> mouse, children -> child: `common.text.singularize`, a small irregulars
+box, berries -> berry, leaves -> leaf, mice -> mouse, children -> child: `data.text.singularize`, a small irregulars
 table plus suffix rules, tried in order and kept only if the result is a vocabulary word, so "bus" and "glass"
 stay themselves), and vocabulary phrases are matched greedily, longest first, left to right ("a teddy bear and a
 hot dog" -> teddy bear, hot dog; no bear, no dog). Each concept counts at most once per caption.
@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from common.text import singularize, tokenize
+from ..text import singularize, tokenize
 
 __all__ = [
     "DEFAULT_VOCAB_PATH",

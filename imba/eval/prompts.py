@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from common.text import strip_article
+from data.text import strip_article
 
 ATTRIBUTE_CATEGORIES = ("color", "shape", "texture")
 _CATEGORY_ALIASES = {"colour": "color", "colors": "color", "colours": "color", "shapes": "shape",

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from PIL import Image
 
-from common.text import with_article
+from data.text import with_article
 
 PYes = Callable[[Image.Image, str], float]
 

@@ -7,6 +7,7 @@ import torch
 from diffusers.optimization import get_scheduler
 
 from data.precomputed import PrecomputedFeatures, find_manifest
+from data.synthetic import CAPTION_WORDS
 from imba.training.config import Config, ConfigError
 from imba.training_loss import TrainingLoss
 from models.dit import build_transformer, load_pretrained_transformer
@@ -15,11 +16,12 @@ from models.pipeline import pipeline_kind_of, unsamplable_reason
 
 
 def load_encoders(cfg: Config, device) -> FrozenEncoders:
-    """Frozen tokenizer + T5 and VAE."""
+    """Frozen tokenizer + T5 and VAE; "tiny-words" tokenizes the synthetic captions' words."""
     m = cfg.model
     try:
         return FrozenEncoders.load(m.text_encoder, m.vae, m.max_text_tokens, device, DTYPES[m.encoder_dtype],
-                                   m.text_encoder_subfolder, m.tokenizer_subfolder, m.vae_subfolder)
+                                   m.text_encoder_subfolder, m.tokenizer_subfolder, m.vae_subfolder,
+                                   words=CAPTION_WORDS)
     except OSError as err:
         raise ConfigError(str(err)) from err
 

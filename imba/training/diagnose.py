@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     model, run_tokens = resolve_model(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
-    from common.plots import plot_block_diagnostics
+    from imba.plots import plot_block_diagnostics
     from models.dit_features import prompt_features
     from models.pipeline import PIPELINES, pipeline_kind_of
 

@@ -1,5 +1,8 @@
 """English words and phrases: tokenising, folding plurals to singulars, and putting articles in front of nouns.
 
+Used by the concept statistics (`data.concepts`), the synthetic captions (`data.synthetic`) and the evaluation
+(`imba.eval`), which imports nothing else of data/; this module imports nothing of the project.
+
 Articles. `indefinite_article(word)` is "an" before a vowel sound ("an apple", "an hour", "an SUV") and "a"
 otherwise ("a unicorn", "a European car"). On top of it, `with_article` writes a free phrase ("red car" -> "a red
 car", phrases that already start with a determiner or a number are kept) and `noun_phrase` a concept name as a

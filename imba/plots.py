@@ -1,6 +1,5 @@
 """The project's figures, drawn with matplotlib on an Agg canvas (no pyplot, so no global backend or figure state).
 
-- ``plot_long_tail``: rank–frequency of concepts (log–log), coloured by head/torso/tail bucket (``data.concepts``).
 - ``plot_monitor``: the IMBA monitor over training, one panel per stat, one line per bucket (``imba.monitor_plot``).
 - ``plot_grouped_bars``: grouped bars with confidence-interval whiskers (``bench/composition.py``).
 - ``plot_scatter_2d``: 2-D sample scatters, one panel each (``bench/toy2d.py``).
@@ -8,164 +7,33 @@
   (``imba.eval.representations.diagnose``).
 - ``plot_series``: panels of named point series, as lines or as scatter (``bench/composition.py``'s levers).
 
-Every function writes one PNG of exactly ``size`` pixels and returns its path. Head, torso and tail have the same
-colour in every figure (``BUCKET_COLOURS``, the colour-blind-safe Okabe–Ito blue, orange and bluish green).
-Only the plotting code needs matplotlib: ``import imba`` does not import this module, and the callers import it
-inside the function that draws.
+The figure of the concept statistics, ``plot_long_tail``, is ``data.concepts.plot``'s, and so are the pieces every
+figure shares (the bucket colours, the style, ``figure``): the buckets are defined in data.concepts, and data/
+never imports imba. Every function writes one PNG of exactly ``size`` pixels and returns its path; head, torso and
+tail have the same colour in every figure. Only the plotting code needs matplotlib: ``import imba`` does not import
+this module, and the callers import it inside the function that draws.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import matplotlib
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.collections import LineCollection
-from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
+from matplotlib.ticker import MaxNLocator
 
-DPI = 100
-BUCKET_ORDER = ("head", "torso", "tail")
-BUCKET_COLOURS = {"head": "#0072B2", "torso": "#E69F00", "tail": "#009E73"}
-OTHER_COLOURS = ("#555555", "#CC79A7", "#56B4E9", "#D55E00")  # buckets outside head/torso/tail (e.g. held_out)
+from data.concepts.plot import bucket_colour, figure, ordered_buckets
+
 # one colour per series (benchmark variants) where buckets are told apart by position: Paul Tol's muted scheme
 # without its greens, so no series reads as a bucket
 SERIES_COLOURS = ("#777777", "#332288", "#88CCEE", "#DDCC77", "#CC6677", "#882255", "#AA4499", "#999933")
-STYLE = {
-    "font.size": 11,
-    "axes.titlesize": 12,
-    "axes.labelsize": 11,
-    "xtick.labelsize": 10,
-    "ytick.labelsize": 10,
-    "legend.fontsize": 10,
-    "figure.titlesize": 13,
-    "axes.grid": True,
-    "grid.color": "#e4e4e4",
-    "grid.linewidth": 0.8,
-    "axes.axisbelow": True,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-}
 MONITOR_TITLES = {"distance": "IMBA distance (target vs unconditional)", "loss_cond": "conditional loss"}
 MONITOR_YLABELS = {"distance": "mean per-token distance d", "loss_cond": "mean squared error"}
-
-
-def bucket_colour(bucket: str, others: Sequence[str] = ()) -> str:
-    """The colour of a bucket: BUCKET_COLOURS for head/torso/tail, else one of OTHER_COLOURS by its place in
-    ``others`` (the other bucket names of the same figure, so each gets its own colour)."""
-    if bucket in BUCKET_COLOURS:
-        return BUCKET_COLOURS[bucket]
-    rest = [b for b in others if b not in BUCKET_COLOURS]
-    return OTHER_COLOURS[rest.index(bucket) % len(OTHER_COLOURS) if bucket in rest else 0]
-
-
-def ordered_buckets(buckets) -> list[str]:
-    """head, torso, tail first (in that order), then any other bucket names sorted."""
-    names = set(buckets)
-    return [b for b in BUCKET_ORDER if b in names] + sorted(names - set(BUCKET_ORDER))
-
-
-@contextmanager
-def _figure(path: str | os.PathLike, size: tuple[int, int]) -> Iterator[Figure]:
-    """A constrained-layout figure of ``size`` pixels, saved to ``path`` as PNG when the block ends."""
-    width, height = int(size[0]), int(size[1])
-    if width < 100 or height < 100:
-        raise ValueError(f"plot size must be at least 100 x 100 pixels, got {size!r}")
-    with matplotlib.rc_context(STYLE):
-        fig = Figure(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
-        FigureCanvasAgg(fig)
-        yield fig
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png", dpi=DPI)
-
-
-def _bucket_legend_text(name: str, info: Mapping[str, Any]) -> str:
-    text = f"{name}: {int(info['num_concepts']):,} concepts"
-    if "occurrence_share" in info:
-        text += f", {100 * info['occurrence_share']:.0f}% of mentions"
-    if info.get("min_count") is not None:
-        text += f", count ≥ {int(info['min_count']):,}"
-    return text
-
-
-def plot_long_tail(
-    ranked: Sequence[tuple[str, int]],
-    buckets: Mapping[str, str],
-    path: str | os.PathLike,
-    title: str | None = None,
-    summary: Mapping[str, Mapping[str, Any]] | None = None,
-    size: tuple[int, int] = (960, 640),
-) -> Path:
-    """Log–log rank–frequency plot of ``ranked`` [(concept, count), most frequent first], a PNG of ``size`` pixels.
-
-    Points are coloured by ``buckets`` (concept -> head|torso|tail; a concept missing there counts as tail), dashed
-    vertical lines mark the bucket boundaries, and the legend gives each bucket's concept count (with its share of
-    mentions and lowest count when ``summary``, as ``data.concepts.bucket_summary`` returns it, is given). Concepts
-    with count 0 are not drawn; with none left the figure says "no concepts found".
-    """
-    points = [(rank, n, buckets.get(c, "tail")) for rank, (c, n) in enumerate(ranked, 1) if n > 0]
-    title = title or "Concept frequency (rank vs captions containing the concept)"
-    with _figure(path, size) as fig:
-        ax = fig.add_subplot()
-        ax.set_title(title)
-        if not points:
-            ax.set_axis_off()
-            ax.text(0.5, 0.5, "no concepts found", ha="center", va="center", transform=ax.transAxes,
-                    color="#5a5a5a", fontsize=13)
-            return Path(path)
-        ranks = np.array([r for r, _, _ in points], dtype=float)
-        counts = np.array([n for _, n, _ in points], dtype=float)
-        names = [b for _, _, b in points]
-        others = ordered_buckets(names)
-        colours = [bucket_colour(b, others) for b in names]
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        if len(points) > 1:
-            # segment i-1 -> i takes the colour of point i, so each bucket's stretch reads as one line
-            segments = np.stack([np.column_stack([ranks[:-1], counts[:-1]]), np.column_stack([ranks[1:], counts[1:]])],
-                                axis=1)
-            ax.add_collection(LineCollection(segments, colors=colours[1:], linewidths=2, zorder=2))
-        if len(points) <= 1000:  # dots only while they stay apart
-            ax.scatter(ranks, counts, c=colours, s=22 if len(points) <= 200 else 8, zorder=3, linewidths=0)
-        # whole decades on both axes, at least one on x, so at least two ticks carry a power-of-ten label
-        low, high = np.floor(np.log10(counts.min())), np.ceil(np.log10(counts.max()))
-        ax.set_xlim(1 / 1.12, max(10.0, ranks[-1]) * 1.12)
-        ax.set_ylim(10**low / 1.12, 10 ** max(high, low + 1) * 1.12)
-        for axis in (ax.xaxis, ax.yaxis):
-            axis.set_major_locator(LogLocator(base=10))
-            axis.set_minor_locator(LogLocator(base=10, subs=np.arange(2, 10)))
-            axis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("concept rank (1 = most frequent)")
-        ax.set_ylabel("captions containing the concept")
-        ax.grid(True, which="major")
-
-        boundaries = [(float(np.sqrt(ranks[i - 1] * ranks[i])), f"{names[i - 1]} | {names[i]}")
-                      for i in range(1, len(names)) if names[i] != names[i - 1]]
-        for x, label in boundaries:
-            ax.axvline(x, color="#6e6e6e", linestyle="--", linewidth=1.2, zorder=1)
-            ax.text(x, 0.03, f" {label} ", rotation=90, ha="right", va="bottom", color="#505050", fontsize=10,
-                    transform=ax.get_xaxis_transform(), bbox=dict(facecolor="white", edgecolor="none", pad=1.5))
-
-        handles = []
-        for name in others:
-            info = (summary or {}).get(name) or {"num_concepts": names.count(name)}
-            if not info.get("num_concepts"):
-                continue
-            handles.append(Line2D([], [], color=bucket_colour(name, others), marker="o", linewidth=2,
-                                  label=_bucket_legend_text(name, info)))
-        if boundaries:
-            handles.append(Line2D([], [], color="#6e6e6e", linestyle="--", linewidth=1.2, label="bucket boundary"))
-        ax.legend(handles=handles, loc="upper right", framealpha=0.95)
-    return Path(path)
 
 
 def plot_monitor(
@@ -182,7 +50,7 @@ def plot_monitor(
              if any(len(line) for line in series[s].values())]
     if not stats:
         raise ValueError("no monitor/* columns in the metrics: was the run trained with train.concept_stats?")
-    with _figure(path, size or (560 * len(stats), 440)) as fig:
+    with figure(path, size or (560 * len(stats), 440)) as fig:
         axes = fig.subplots(1, len(stats), squeeze=False)[0]
         for ax, stat in zip(axes, stats):
             names = ordered_buckets(b for b, line in series[stat].items() if line)
@@ -225,7 +93,7 @@ def plot_grouped_bars(
     colours = {s: SERIES_COLOURS[i % len(SERIES_COLOURS)] for i, s in enumerate(series)}
     width = 0.8 / len(series)
     legend_rows = -(-len(series) // 4)
-    with _figure(path, size or (max(620 * len(panels) + 60, 900), 520 + 26 * legend_rows + 40)) as fig:
+    with figure(path, size or (max(620 * len(panels) + 60, 900), 520 + 26 * legend_rows + 40)) as fig:
         axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
         for ax, (panel_title, values) in zip(axes, panels.items()):
             for g, group in enumerate(groups):
@@ -279,7 +147,7 @@ def plot_block_diagnostics(
     x = np.arange(1, len(blocks) + 1)
     panels = [("linear CKA with the caption", "cka", None), ("mutual k-NN with the caption", "mutual_knn", None)]
     panels += [(f"linear probe for {p}: accuracy", "probe", p) for p in probes]
-    with _figure(path, size or (430 * len(panels), 420)) as fig:
+    with figure(path, size or (430 * len(panels), 420)) as fig:
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, (panel_title, key, probe) in zip(axes, panels):
             lines = names if probe else ["all", *names]
@@ -320,7 +188,7 @@ def plot_series(
         raise ValueError("plot_series: nothing to draw")
     colours = {n: SERIES_COLOURS[i % len(SERIES_COLOURS)] for i, n in enumerate(names)}
     legend_rows = -(-len(names) // 4)
-    with _figure(path, size or (max(460 * len(panels), 700), 420 + 26 * legend_rows + 40)) as fig:
+    with figure(path, size or (max(460 * len(panels), 700), 420 + 26 * legend_rows + 40)) as fig:
         axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
         for ax, (panel_title, panel) in zip(axes, panels.items()):
             for name, points in panel["series"].items():
@@ -373,7 +241,7 @@ def plot_scatter_2d(
     columns = min(2, len(panels))
     rows = -(-len(panels) // columns)
     labels = ordered_buckets(label for panel in panels for label in panel.points)
-    with _figure(path, size or (540 * columns, 420 * rows + 90)) as fig:
+    with figure(path, size or (540 * columns, 420 * rows + 90)) as fig:
         axes = fig.subplots(rows, columns, squeeze=False).ravel()
         for ax in axes[len(panels):]:
             ax.set_axis_off()
