@@ -1,0 +1,62 @@
+"""Every range check at both of its bounds: a closed bound is accepted (optim.ema_decay=1, sample.steps=2), an open
+bound and the nearest value beyond a closed one are refused with the key, the range and its note in one line."""
+
+import math
+
+import pytest
+
+from imba.training.config import RANGES, ConfigError, _Range, load_config
+
+
+def _cases():
+    defaults = load_config([])
+    for key, allowed in RANGES.items():
+        section, name = key.split(".")
+        kind = type(getattr(getattr(defaults, section), name))
+        for bound, is_open, outward in ((allowed.low, allowed.low_open, -1), (allowed.high, allowed.high_open, 1)):
+            if bound is None:
+                continue
+            if kind is int:
+                beyond = int(bound) + outward
+            else:
+                beyond = math.nextafter(float(bound), outward * math.inf)
+            yield pytest.param(key, kind(bound), not is_open, id=f"{key}={bound}")
+            yield pytest.param(key, beyond, False, id=f"{key}={beyond!r}")
+
+
+@pytest.mark.parametrize("key,value,accepted", list(_cases()))
+def test_each_bound_is_accepted_when_closed_and_refused_beyond(key, value, accepted):
+    override = f"{key}={value!r}" if isinstance(value, float) else f"{key}={value}"
+    if accepted:
+        section, name = key.split(".")
+        assert getattr(getattr(load_config([override]), section), name) == value
+    else:
+        with pytest.raises(ConfigError, match=f"config key '{key}' must be") as err:
+            load_config([override])
+        assert str(RANGES[key]) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_bounds_a_reader_tries_first():
+    assert load_config(["optim.ema_decay=1"]).optim.ema_decay == 1.0
+    assert load_config(["optim.ema_decay=0"]).optim.ema_decay == 0.0
+    assert load_config(["optim.adam_beta2=0"]).optim.adam_beta2 == 0.0
+    assert load_config(["sample.steps=2"]).sample.steps == 2
+    assert load_config(["train.seed=4294967295"]).train.seed == 2 ** 32 - 1
+    for refused in ("optim.ema_decay=1.0001", "optim.adam_beta1=1", "optim.lr=0", "objective.beta_end=1",
+                    "train.seed=4294967296", "train.seed=-1", "sample.steps=1"):
+        with pytest.raises(ConfigError):
+            load_config([refused])
+
+
+def test_range_holds_and_reads_as_its_interval():
+    closed, half_open, positive = _Range(0, 1), _Range(0, 1, high_open=True), _Range(0, low_open=True)
+    assert [closed.holds(v) for v in (-1e-9, 0, 0.5, 1, 1 + 1e-9)] == [False, True, True, True, False]
+    assert [half_open.holds(v) for v in (0, 1 - 1e-9, 1)] == [True, True, False]
+    assert [positive.holds(v) for v in (0, 1e-300, 1e300)] == [False, True, True]
+    assert _Range(0, 1, low_open=True, high_open=True).holds(0.5) and not _Range(0, 1, low_open=True).holds(0)
+    assert _Range().holds(-1e300) and _Range(high=3).holds(-5) and not _Range(high=3).holds(4)
+    assert str(closed) == "in [0, 1]" and str(half_open) == "in [0, 1)" and str(positive) == "> 0"
+    assert str(_Range(0, 1, low_open=True, high_open=True)) == "in (0, 1)" and str(_Range(2)) == ">= 2"
+    assert str(_Range(0, note="0 = off")) == ">= 0 (0 = off)"
+    with pytest.raises(ConfigError, match=r"'train.save_every' must be >= 0 \(0 = only at the end\), got -1"):
+        load_config(["train.save_every=-1"])
