@@ -30,11 +30,12 @@ from imba.training.distributed import configure_deepspeed, make_accelerator, par
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
-from imba.training.inputs import concept_bucketer, make_loader, precompute_once, precomputes, training_shards
+from imba.training.inputs import (all_shards, concept_bucketer, make_loader, precompute_once, precompute_sources,
+                                  precomputes, training_sources)
 from imba.training.metrics import JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
 from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
-from imba.training.resume import batches_done, plan_resume, restore
+from imba.training.resume import plan_resume, restore
 from imba.training.sampling import GridSampler
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
@@ -57,13 +58,13 @@ def main(argv: list[str]) -> int:
         save_config(cfg, out / "config.yaml")
 
     # ---- shards (written, or encoded once), frozen encoders (or precomputed features), DiT, loss, optimizer ------
-    shards = training_shards(cfg, accelerator, out)
+    sources = training_sources(cfg, accelerator, out)  # data.sources, or data.shards / the synthetic set as one
     val_shards = validation_shards(cfg, accelerator, out)  # None: no validation
-    bucketer = concept_bucketer(cfg, accelerator, shards, out)  # counted on the captions of the image shards
+    bucketer = concept_bucketer(cfg, accelerator, all_shards(sources), out)  # on the captions of the image shards
     if precomputes(cfg):  # VAE latents and T5 states computed once, not at every step
-        shards = precompute_once(cfg, accelerator, out, shards, "train")
+        sources = precompute_sources(cfg, accelerator, out, sources)
         val_shards = val_shards and precompute_once(cfg, accelerator, out, val_shards, "val")
-    features, manifest = load_features(cfg, shards, device)
+    features, manifest = load_features(cfg, all_shards(sources), device)
     dit = build_dit(cfg, features)
     objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
     # under ZeRO-3 every forward pass is a collective: every rank must run the same passes
@@ -85,10 +86,8 @@ def main(argv: list[str]) -> int:
     state.world_size = accelerator.num_processes
 
     # ---- data ------------------------------------------------------------------------------------------------
-    consumed = batches_done(state.step, cfg.train.grad_accum, resume.saved_world_size, accelerator.num_processes)
-    if resume.checkpoint is not None:
-        accelerator.print(f"data: each rank continues after {consumed} batches of {cfg.data.batch_size}")
-    loader = make_loader(cfg, accelerator, shards, consumed, manifest,
+    # the loader continues where the checkpoint's processes stopped (weighted stream: the same draws on any count)
+    loader = make_loader(cfg, accelerator, sources, state.step, resume.saved_world_size, manifest,
                          bucket_divisor=features.vae_scale * dit.config.patch_size)
     batches = iter(loader)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal

@@ -38,8 +38,10 @@ from .index import ShardIndex, load_or_build_index, parse_sample
 from .order import BucketBatchSampler, IndexedBatchSampler
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples, ReaderStats, counts_since, too_small_advice
 from .streaming import check_loader_args
+from .weighted import StreamBatchSampler
 
-__all__ = ["IndexedShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "make_indexed_loader"]
+__all__ = ["IndexedShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "check_stream",
+           "make_indexed_loader"]
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +235,8 @@ class IndexedLoader:
     """
 
     def __init__(
-        self, dataset: IndexedShards, sampler: IndexedBatchSampler | BucketBatchSampler, num_workers: int = 0,
+        self, dataset: IndexedShards, sampler: IndexedBatchSampler | BucketBatchSampler | StreamBatchSampler,
+        num_workers: int = 0,
     ):
         self.dataset = dataset
         self.sampler = sampler
@@ -276,7 +279,7 @@ def make_indexed_loader(
     urls: str | Sequence[str], resolution: int, batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
     world_size: int = 1, batches_done: int = 0, caption_field: str = "caption",
     index_dir: str | os.PathLike | None = None, shard_window: int = 0, min_size: int = 0, bucketing: bool = False,
-    bucket_divisor: int = 16, max_aspect_ratio: float = 4.0,
+    bucket_divisor: int = 16, max_aspect_ratio: float = 4.0, sampler: StreamBatchSampler | None = None,
 ) -> IndexedLoader:
     """Infinite, exactly resumable loader over local tar shards; same batches as `make_image_text_loader`.
 
@@ -289,8 +292,13 @@ def make_indexed_loader(
     bucket_divisor, max_aspect_ratio)`; the divisor is VAE downsampling x DiT patch size); each batch comes from
     one bucket, pixels (B, 3, h, w) cover-resized and centre-cropped to it (`BucketBatchSampler` for the order;
     `loader.buckets` is the table). Not combined with `shard_window`.
+
+    `sampler`: draw the batches from this weighted stream (`data.weighted`, made for these shards) instead of the
+    uniform order; `batches_done`, `seed` and `shard_window` are then the sampler's business.
     """
     check_loader_args(resolution, batch_size, num_workers, min_size)
+    if sampler is not None and bucketing:
+        raise ValueError("aspect-ratio buckets cannot be drawn from a weighted stream yet: use one or the other")
     if bucketing and shard_window:
         raise ValueError("aspect-ratio bucketing reads samples in a uniform order: set shard_window=0")
     buckets = bucket_sizes(resolution, bucket_divisor, max_aspect_ratio) if bucketing else None  # checks first
@@ -312,5 +320,15 @@ def make_indexed_loader(
             f"; {unknown} samples of unknown size put in the square bucket" if unknown else "",
         )
         return IndexedLoader(dataset, sampler, num_workers=num_workers)
-    sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
+    if sampler is None:
+        sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
+    else:
+        check_stream(sampler, len(dataset), batch_size)
     return IndexedLoader(dataset, sampler, num_workers=num_workers)
+
+
+def check_stream(sampler: StreamBatchSampler, num_samples: int, batch_size: int) -> None:
+    """ValueError unless the weighted stream was made for `num_samples` samples and batches of `batch_size`."""
+    if sampler.order.num_samples != num_samples or sampler.batch_size != batch_size:
+        raise ValueError(f"the weighted stream draws batches of {sampler.batch_size} from {sampler.order.num_samples} "
+                         f"samples, the loader reads batches of {batch_size} from {num_samples}")

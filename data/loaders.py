@@ -11,6 +11,7 @@ from .indexed import make_indexed_loader
 from .precomputed import make_precomputed_loader
 from .streaming import make_image_text_loader
 from .urls import is_remote
+from .weighted import StreamBatchSampler
 
 __all__ = ["choose_mode", "build_loader"]
 
@@ -46,6 +47,7 @@ def build_loader(
     manifest: dict | None = None,
     loader_threads: int = 0,
     main_process_first: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    sampler: StreamBatchSampler | None = None,
 ):
     """This rank's infinite training loader over `shards` (expanded shard URLs), resuming after `batches_done`.
 
@@ -54,9 +56,13 @@ def build_loader(
     (`bucketing`, sides divisible by `bucket_divisor`) need local image shards: ValueError otherwise.
     `main_process_first` (a context-manager factory, e.g. `accelerator.main_process_first`) lets the main process
     scan the tars into the cached index before the other ranks open it. `loader_threads` > 0 (precomputed features
-    with `num_workers=0` only) makes the batches in threads of this process.
+    with `num_workers=0` only) makes the batches in threads of this process. `sampler` (a weighted stream over
+    these shards, `data.weighted`) replaces the uniform order; it needs indexed reading.
     """
     mode = choose_mode(mode, shards, manifest)
+    if sampler is not None and mode != "indexed":
+        raise ValueError("a weighted stream (data.sources, data.balance) needs indexed reading of local shards: the "
+                         "streaming reader cannot draw by weight and resume exactly")
     if loader_threads and (not manifest or num_workers):
         raise ValueError(f"data.loader_threads={loader_threads} needs precomputed features and data.num_workers=0"
                          + ("" if manifest else " (these shards are images)"))
@@ -70,7 +76,7 @@ def build_loader(
             load_or_build_index(shards)  # scanned once, by the main process; the others read the cached index
         if manifest:
             return make_precomputed_loader(shards, batch_size, num_workers, seed, rank, world_size, batches_done,
-                                           manifest=manifest, num_threads=loader_threads)
+                                           manifest=manifest, num_threads=loader_threads, sampler=sampler)
         return make_indexed_loader(shards, batches_done=batches_done, bucketing=bucketing,
-                                   bucket_divisor=bucket_divisor, **common)
+                                   bucket_divisor=bucket_divisor, sampler=sampler, **common)
     return make_image_text_loader(shards, batches_done=batches_done, shuffle_buffer=shuffle_buffer, **common)

@@ -53,7 +53,7 @@ import torch
 
 from .files import read_json_object
 from .index import parse_sample
-from .indexed import BatchFetch, IndexedLoader, IndexedShards, indexed_batch_sampler
+from .indexed import BatchFetch, IndexedLoader, IndexedShards, check_stream, indexed_batch_sampler
 from .order import IndexedBatchSampler
 from .skips import ReaderStats
 from .streaming import check_loader_args
@@ -67,6 +67,7 @@ from .text_states import (
     stored_tensor,
 )
 from .urls import expand_urls, is_remote
+from .weighted import StreamBatchSampler
 
 __all__ = [
     "FORMAT_KIND",
@@ -521,7 +522,7 @@ class _ThreadedBatches:
     buffers, recycled batch memory, bad-sample counts), made the way a DataLoader worker's copy is. Reading,
     copying and the device transfer release the GIL, so the threads overlap the training step."""
 
-    def __init__(self, dataset: PrecomputedShards, sampler: IndexedBatchSampler, threads: int):
+    def __init__(self, dataset: PrecomputedShards, sampler: IndexedBatchSampler | StreamBatchSampler, threads: int):
         self.dataset, self.sampler, self.threads = dataset, sampler, threads
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -556,8 +557,8 @@ class PrecomputedLoader(IndexedLoader):
     `num_threads` > 0 (and no worker processes) the batches are made by threads of this process instead.
     """
 
-    def __init__(self, dataset: PrecomputedShards, sampler: IndexedBatchSampler, num_workers: int = 0,
-                 num_threads: int = 0):
+    def __init__(self, dataset: PrecomputedShards, sampler: IndexedBatchSampler | StreamBatchSampler,
+                 num_workers: int = 0, num_threads: int = 0):
         if num_threads < 0 or (num_threads and num_workers):
             raise ValueError(f"loader threads ({num_threads}) need num_workers=0 (got {num_workers}) and >= 0")
         super().__init__(dataset, sampler, num_workers=num_workers)
@@ -569,7 +570,7 @@ class PrecomputedLoader(IndexedLoader):
 def make_precomputed_loader(
     urls: str | Sequence[str], batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
     world_size: int = 1, batches_done: int = 0, index_dir: str | os.PathLike | None = None, shard_window: int = 0,
-    manifest: dict[str, Any] | None = None, num_threads: int = 0,
+    manifest: dict[str, Any] | None = None, num_threads: int = 0, sampler: StreamBatchSampler | None = None,
 ) -> PrecomputedLoader:
     """Infinite, exactly resumable loader over precomputed shards (the output folder, or a spec of its shards).
 
@@ -578,9 +579,13 @@ def make_precomputed_loader(
     `num_threads` > 0 (with `num_workers=0`): batches made by that many threads of this process, in memory
     recycled from batches that are gone; `num_workers` > 0: by worker processes, in shared memory made per batch.
     Order, rank split, `batches_done` resume and `shard_window` are those of `make_indexed_loader` (the same
-    `IndexedBatchSampler`). `manifest` defaults to the precompute.json next to the first shard.
+    `IndexedBatchSampler`). `manifest` defaults to the precompute.json next to the first shard. `sampler`: a
+    weighted stream (`data.weighted`) to draw from instead, as in `make_indexed_loader`.
     """
     check_loader_args(1, batch_size, num_workers)
     dataset = PrecomputedShards(urls, manifest=manifest, index_dir=index_dir)
-    sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
+    if sampler is None:
+        sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
+    else:
+        check_stream(sampler, len(dataset), batch_size)
     return PrecomputedLoader(dataset, sampler, num_workers=num_workers, num_threads=num_threads)

@@ -23,8 +23,10 @@ def _is_caption_member(name: str) -> bool:
     return key_ext is not None and key_ext[1] in _CAPTION_MEMBERS
 
 
-def iter_shard_captions(url: str, caption_field: str = "caption", skipped: Counter | None = None) -> Iterator[str]:
+def iter_shard_captions(url: str, caption_field: str = "caption", skipped: Counter | None = None,
+                        keep_missing: bool = False) -> Iterator[str]:
     """Captions of the samples in one img2dataset-layout tar shard, in order, without reading any image.
+    `keep_missing=True` yields "" for a sample without a usable caption, so the captions line up with the samples.
 
     A sample's caption is its `key.txt`, else `key.json[caption_field]` (`data.decode.sample_caption`). Samples
     without a caption, with an undecodable json, and shards that cannot be read (to the end) are counted in
@@ -41,11 +43,14 @@ def iter_shard_captions(url: str, caption_field: str = "caption", skipped: Count
             caption = sample_caption(sample, caption_field)
         except (ValueError, UnicodeDecodeError, AttributeError):
             skipped["bad caption"] += 1
-            return
+            caption = None
+        else:
+            if not caption:
+                skipped["no caption"] += 1
         if caption:
             yield caption
-        else:
-            skipped["no caption"] += 1
+        elif keep_missing:
+            yield ""
 
     try:
         for name, data in walk_tar(url, _is_caption_member):

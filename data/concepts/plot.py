@@ -159,3 +159,46 @@ def plot_long_tail(
             handles.append(Line2D([], [], color="#6e6e6e", linestyle="--", linewidth=1.2, label="bucket boundary"))
         ax.legend(handles=handles, loc="upper right", framealpha=0.95)
     return Path(path)
+
+
+def plot_drawn_vs_natural(
+    concepts: Sequence[Sequence[Any]],
+    path: str | os.PathLike,
+    combinations: Sequence[Sequence[Any]] = (),
+    title: str = "Draws per epoch by concept: natural vs planned",
+    size: tuple[int, int] = (1200, 560),
+) -> Path:
+    """Draws per epoch of each concept, natural vs planned (rows [name, natural, planned], most frequent first), on a
+    log scale; beside it, when given, the combinations (attribute:object, object + object) the plan boosts most."""
+    ranks = np.arange(1, len(concepts) + 1)
+    natural = np.array([float(r[1]) for r in concepts])
+    planned = np.array([float(r[2]) for r in concepts])
+    with figure(path, size) as fig:
+        fig.suptitle(title)
+        axes = fig.subplots(1, 2 if combinations else 1, squeeze=False)[0]
+        ax = axes[0]
+        ax.set_yscale("log")
+        ax.plot(ranks, natural, color=BUCKET_COLOURS["head"], marker="o", markersize=4, linewidth=1.5,
+                label="natural (the sources' shares alone)")
+        ax.plot(ranks, planned, color=BUCKET_COLOURS["torso"], marker="o", markersize=4, linewidth=1.5,
+                label="planned (balanced)")
+        if len(concepts) <= 30:
+            ax.set_xticks(ranks, [str(r[0]) for r in concepts], rotation=60, ha="right")
+        else:
+            ax.set_xlabel("concept, by natural frequency (1 = most frequent)")
+        ax.set_ylabel("draws per epoch of samples naming it")
+        ax.legend(loc="upper right", framealpha=0.95)
+        if combinations:
+            ax = axes[1]
+            names = [str(r[0]) for r in combinations][::-1]
+            y = np.arange(len(names))
+            ax.set_xscale("log")
+            ax.barh(y - 0.2, [float(r[1]) for r in combinations][::-1], height=0.4, color=BUCKET_COLOURS["head"],
+                    label="natural")
+            ax.barh(y + 0.2, [float(r[2]) for r in combinations][::-1], height=0.4, color=BUCKET_COLOURS["torso"],
+                    label="planned")
+            ax.set_yticks(y, names)
+            ax.set_xlabel("draws per epoch")
+            ax.set_title("most boosted combinations")
+            ax.legend(loc="best", framealpha=0.95)
+    return Path(path)

@@ -23,6 +23,8 @@ from typing import Any
 import yaml
 from accelerate.utils import LoggerType
 
+from data.balance import BALANCE_METHODS
+from data.sources import SourceConfig, check_source_configs
 from imba.loss import DISTANCES, NORMALIZATIONS, REFERENCES, IMBALoss, LossSettingError
 from imba.objectives import OBJECTIVES, DDPMEpsilon
 from imba.training_loss import ESTIMATORS, LOSS_KINDS
@@ -88,6 +90,23 @@ class DataConfig:
     # = a held-out synthetic set (other seed) for synthetic training, no validation for data.shards
     val_shards: str | None = None
     val_samples: int = 64  # the first N samples of the validation shards' seeded order, split over the ranks
+    # several shard sets read as one, instead of data.shards: a list of {shards, name, share | repeat}
+    # (data/sources.py, docs/data.md#mixing-sources); drawn by the weighted stream (exact resume on any process count)
+    sources: list[SourceConfig] = field(default_factory=list)
+    epoch_samples: int = 0  # draws per epoch with data.sources or data.balance; 0 = the samples of the sources
+    # sampling weights from the captions' concepts (data/balance.py): none | temperature (weight = count of the
+    # sample's rarest concept or combination ^ -balance_alpha) | cap (MetaCLIP: entries above balance_cap drawn less)
+    balance: str = "none"
+    balance_alpha: float = 0.5  # temperature: 0 = natural, 1 = every rarest entry drawn about equally often
+    balance_cap: int = 0  # cap: the threshold count t (MetaCLIP: 20000 for 400M captions)
+
+    def synthetic(self) -> bool:
+        """Whether the run trains on the synthetic set (neither data.shards nor data.sources)."""
+        return not self.shards and not self.sources
+
+    def weighted(self) -> bool:
+        """Whether the run reads the weighted stream (data.sources or data.balance) rather than the plain order."""
+        return bool(self.sources) or self.balance != "none"
 
 
 @dataclass
@@ -199,6 +218,7 @@ CHOICES = {
     "model.pipeline": ("auto", *PIPELINES),
     "data.mode": ("auto", "indexed", "streaming"),
     "data.precompute": ("auto", "true", "false"),
+    "data.balance": BALANCE_METHODS,
     "loss.kind": LOSS_KINDS,
     "loss.distance": DISTANCES,
     "loss.reference": REFERENCES,
@@ -250,6 +270,13 @@ def _coerce(key: str, value, hint):
             return None
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _coerce(key, value, inner)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            fields = ", ".join(f.name for f in dataclasses.fields(hint))
+            raise ConfigError(f"config key {key!r} expects a mapping with keys {fields}, got {value!r}")
+        item = hint()
+        _apply(item, value, prefix=f"{key}.")
+        return item
     if origin is list:
         (inner,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -388,6 +415,9 @@ RANGES = {
     "data.min_size": _Range(0, note="0 = no minimum"),
     "data.synthetic_samples": _AT_LEAST_1,
     "data.val_samples": _AT_LEAST_1,
+    "data.epoch_samples": _Range(0, note="0 = the samples of the sources"),
+    "data.balance_alpha": _AT_LEAST_0,
+    "data.balance_cap": _Range(0, note="0 = not set"),
     "train.val_every": _Range(0, note="0 = no validation"),
     "objective.logit_std": _POSITIVE,
     "objective.shift": _POSITIVE,
@@ -451,6 +481,22 @@ def _validate(cfg: Config) -> None:
     if cfg.data.bucketing and cfg.data.mode == "streaming":
         raise ConfigError("data.bucketing=true needs data.mode=indexed (or auto with local shards): the streaming "
                           "reader has no image sizes to bucket by; set data.bucketing=false or use local shards")
+    d = cfg.data
+    if d.shards and d.sources:
+        raise ConfigError("give data.shards or data.sources, not both (a single shard set is one source)")
+    try:
+        check_source_configs(d.sources)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if d.balance == "cap" and d.balance_cap < 1:
+        raise ConfigError("data.balance=cap needs data.balance_cap=T >= 1: entries in more than T samples are drawn "
+                          "less (MetaCLIP used 20000 for 400M captions)")
+    if d.weighted() and d.mode == "streaming":
+        raise ConfigError("data.sources and data.balance need indexed reading (local shards): the streaming reader "
+                          "cannot draw by weight and resume exactly; set data.mode=auto or indexed")
+    if d.weighted() and d.bucketing:
+        raise ConfigError("data.bucketing=true cannot be combined with data.sources or data.balance yet (the "
+                          "aspect-ratio sampler draws each bucket uniformly); use one of them")
     try:  # the loss checks its own settings; here they are reported under their config keys
         IMBALoss(gamma=cfg.loss.gamma, lam=cfg.loss.lam, distance=cfg.loss.distance, reference=cfg.loss.reference,
                  normalize=cfg.loss.normalize)

@@ -1,5 +1,6 @@
-"""What a run reads: its shards (configured, or a synthetic set written once; with data.precompute, their features
-encoded once), their loader, and the concept buckets the IMBA monitor labels captions with."""
+"""What a run reads: its sources (data.sources, data.shards, or a synthetic set written once; with data.precompute,
+their features encoded once), their loader (with data.sources or data.balance, a weighted stream drawn by the
+run's draw plan), and the concept buckets the IMBA monitor labels captions with."""
 
 from __future__ import annotations
 
@@ -10,24 +11,33 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from data.concepts import CaptionBucketer, collect_stats, write_stats
+from data.balance import BalanceSettings
+from data.concepts import CaptionBucketer, collect_stats, extractor_from_stats, write_stats
+from data.draw_plan import DrawPlan, describe_plan, load_plan, plan_draws, plot_plan
 from data.files import read_json_object, write_json
+from data.index import load_or_build_index
 from data.loaders import build_loader
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import MANIFEST_NAME, find_manifest
 from data.skips import NoUsableSamples, too_small_advice
 from data.urls import expand_urls, is_remote
+from data.sources import Source, SourceMix, check_same_kind, resolve_sources
 from data.synthetic import write_synthetic_shards
+from data.weighted import StreamBatchSampler, WeightedOrder
 from imba.training.config import Config, ConfigError
+from imba.training.resume import batches_done
 
 FEATURES_DIR = "features"  # <train.output_dir>/features/{train,val}: data.precompute=true's encoded shards
 SOURCE_NAME = "source.json"  # which input shards (and their sizes and times) a features folder was encoded from
+PLAN_DIR = "data"  # <train.output_dir>/data: the draw plan of data.sources / data.balance and its report
 
 
 def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[str]:
     """The configured shards, or a synthetic shard set written once by the main process."""
     if cfg.data.shards:
         return expand_urls(cfg.data.shards)
+    if cfg.data.sources:
+        raise ValueError("training_shards: the run reads data.sources (training_sources)")
     folder = Path(cfg.data.synthetic_dir or out / "synthetic_shards")
     write = dict(num_samples=cfg.data.synthetic_samples, resolution=cfg.data.resolution, seed=cfg.train.seed)
     if accelerator.is_main_process:
@@ -36,11 +46,28 @@ def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[st
     return write_synthetic_shards(folder, **write)  # already complete: returns the paths without writing
 
 
+def training_sources(cfg: Config, accelerator: Accelerator, out: Path) -> list[Source]:
+    """data.sources resolved to their shards, else data.shards or the synthetic set as the one source."""
+    if not cfg.data.sources:
+        return [Source("shards" if cfg.data.shards else "synthetic", training_shards(cfg, accelerator, out), None, None)]
+    try:
+        sources = resolve_sources(cfg.data.sources)
+        check_same_kind(sources)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return sources
+
+
+def all_shards(sources: list[Source]) -> list[str]:
+    """The sources' shards, source after source: the order of the index the loader reads."""
+    return [url for source in sources for url in source.urls]
+
+
 def precomputes(cfg: Config) -> bool:
     """Whether the run trains on features it encodes once (data.precompute; auto: the synthetic set, unless it is
     bucketed (images of many sizes) or read as a stream (data.mode=streaming asks for the streaming reader))."""
     d = cfg.data
-    auto = not d.shards and not d.bucketing and d.mode != "streaming"
+    auto = d.synthetic() and not d.bucketing and d.mode != "streaming"
     return d.precompute == "true" or (d.precompute == "auto" and auto)
 
 
@@ -93,17 +120,67 @@ def precompute_once(cfg: Config, accelerator: Accelerator, out: Path, shards: li
     return expand_urls(str(folder))
 
 
-def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batches_done: int, manifest: dict | None,
-                bucket_divisor: int):
-    """The loader of `cfg.data`, continuing after `batches_done` batches of this rank (exact in indexed mode)."""
-    d = cfg.data
+def precompute_sources(cfg: Config, accelerator: Accelerator, out: Path, sources: list[Source]) -> list[Source]:
+    """Each source's shards encoded once (`precompute_once`): features/train/ for one source, features/train-NAME/
+    for each of several."""
+    several = len(sources) > 1
+    return [Source(s.name, precompute_once(cfg, accelerator, out, s.urls, f"train-{s.name}" if several else "train"),
+                   s.share, s.repeat) for s in sources]
+
+
+def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> DrawPlan:
+    """The run's draw plan (data.sources shares, data.balance weights): computed by the main process into
+    <train.output_dir>/data/ (reused while its fingerprint holds), described and plotted there, read by the others."""
+    d, folder = cfg.data, Path(cfg.train.output_dir) / PLAN_DIR
+    shards = all_shards(sources)
+    with accelerator.main_process_first():
+        index = load_or_build_index(shards)
+    try:
+        mix = SourceMix(sources, index.nsamples, d.epoch_samples)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    stats = cfg.train.concept_stats
+    extractor = extractor_from_stats(stats) if stats not in ("auto", "none") else None
+    plan = None
+    if accelerator.is_main_process:
+        plan = plan_draws(index, mix, BalanceSettings(d.balance, d.balance_alpha, d.balance_cap), folder,
+                          extractor=extractor, caption_field=d.caption_field, progress=True,
+                          workers=min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1)
+        for line in describe_plan(plan):
+            print(line)
+        drawn = plot_plan(plan, folder / "draws.png")
+        print(f"data: the draw plan is in {folder}/" + (f" (concepts drawn vs natural: {drawn})" if drawn else ""))
+    accelerator.wait_for_everyone()
+    return plan or load_plan(folder)
+
+
+def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], step: int, saved_world_size: int,
+                manifest: dict | None, bucket_divisor: int):
+    """The loader of `cfg.data`, continuing after `step` optimizer steps of `saved_world_size` processes: exactly,
+    on any process count, for the weighted stream (data.sources, data.balance); in indexed mode after as many
+    samples; in streaming mode reseeded."""
+    d, world = cfg.data, accelerator.num_processes
+    consumed = batches_done(step, cfg.train.grad_accum, saved_world_size, world)
+    sampler = None
+    if d.weighted():
+        plan = draw_plan(cfg, accelerator, sources)
+        samples_done = step * cfg.train.grad_accum * saved_world_size * d.batch_size
+        sampler = StreamBatchSampler(WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed),
+                                     d.batch_size, rank=accelerator.process_index, world_size=world,
+                                     samples_done=samples_done)
+        if step:
+            accelerator.print(f"data: the stream continues after {samples_done:,} samples "
+                              f"(epoch {samples_done / plan.samples_per_epoch:.2f})")
+    elif step:
+        accelerator.print(f"data: each rank continues after {consumed} batches of {d.batch_size}")
+    shards = all_shards(sources)
     try:
         return build_loader(shards, d.mode, resolution=d.resolution, batch_size=d.batch_size,
                             num_workers=d.num_workers, seed=cfg.train.seed, rank=accelerator.process_index,
                             world_size=accelerator.num_processes, caption_field=d.caption_field, min_size=d.min_size,
                             shuffle_buffer=d.shuffle_buffer, bucketing=d.bucketing, bucket_divisor=bucket_divisor,
-                            batches_done=batches_done, manifest=manifest, loader_threads=d.loader_threads,
-                            main_process_first=accelerator.main_process_first)
+                            batches_done=consumed, manifest=manifest, loader_threads=d.loader_threads,
+                            main_process_first=accelerator.main_process_first, sampler=sampler)
     except ValueError as err:  # settings the data cannot serve (e.g. buckets of precomputed latents)
         raise ConfigError(str(err)) from err
 
@@ -111,7 +188,7 @@ def make_loader(cfg: Config, accelerator: Accelerator, shards: list[str], batche
 def concept_bucketer(cfg: Config, accelerator: Accelerator, shards: list[str], out: Path) -> CaptionBucketer | None:
     """Caption → head/torso/tail labeller for the IMBA monitor (train.concept_stats), or None when it is off."""
     path = cfg.train.concept_stats
-    if path == "none" or (path == "auto" and cfg.data.shards):
+    if path == "none" or (path == "auto" and not cfg.data.synthetic()):
         return None
     if path == "auto":  # synthetic data: count its concepts (a second or two) once, and again when it is rewritten
         path = out / "concepts" / "concepts.json"

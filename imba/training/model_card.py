@@ -41,9 +41,19 @@ def _part(spec: str) -> str:
 
 
 def _data_line(cfg: Config) -> str:
-    if cfg.data.shards:
-        return f"`{cfg.data.shards}` (img2dataset-layout tar shards)"
-    return f"the project's synthetic shapes ({cfg.data.synthetic_samples} images)"
+    d = cfg.data
+    if d.sources:
+        text = "; ".join(f"`{s.shards}`" + (f" (share {s.share:g})" if s.share else "")
+                         + (f" (repeat {s.repeat:g})" if s.repeat else "") for s in d.sources)
+    elif d.shards:
+        text = f"`{d.shards}` (img2dataset-layout tar shards)"
+    else:
+        text = f"the project's synthetic shapes ({d.synthetic_samples} images)"
+    if d.balance == "temperature":
+        text += f", balanced by concepts (temperature, alpha {d.balance_alpha:g})"
+    elif d.balance == "cap":
+        text += f", balanced by concepts (cap {d.balance_cap})"
+    return text
 
 
 def _loss_line(cfg: Config) -> str:

@@ -37,7 +37,7 @@ BUCKETS = ("head", "torso", "tail")
 def validation_shards(cfg: Config, accelerator, out: Path) -> list[str] | None:
     """The validation shards of the run, or None when it has no validation (or no validation step)."""
     every = cfg.train.val_every
-    if every == 0 or every > cfg.train.max_steps or not (cfg.data.val_shards or not cfg.data.shards):
+    if every == 0 or every > cfg.train.max_steps or not (cfg.data.val_shards or cfg.data.synthetic()):
         return None
     if cfg.data.val_shards:
         return expand_urls(cfg.data.val_shards)

@@ -1,0 +1,197 @@
+"""Concept balancing: sampling weights from the concepts the captions name, so that rare concepts and rare
+combinations of common concepts are drawn more often (data.balance).
+
+Entries. A caption's *entries* are what a sample can be rare for (`caption_entries`): each concept it names (the
+concept extractor of `data.concepts`: "red", "cross", "dog"), each attribute bound to the object it describes (an
+attribute followed by an object, in caption order: "red:cross"), and each pair of objects it shows together
+("cross + ring", alphabetical). So "a red cross and a blue square" has the entries red, cross, blue, square,
+red:cross, blue:square, "cross + square": a sample of a rare pair of common words is rare for its pair entry.
+
+Counts. `c_e` is the number of samples with entry e, each sample counted at its natural draw rate (a sample of a
+source drawn twice per epoch counts 2): how often the unbalanced stream shows e.
+
+Weights (a sample's balance factor; its source's share of the draws is kept, see `data.draw_plan`):
+- `temperature`, exponent α: factor = c_min^(-α), c_min the count of the sample's rarest entry. α = 0 is the
+  natural stream; α = 1 draws the samples of each rarest entry about equally often in total (each entry's share
+  ∝ c^(1-α)).
+- `cap`, threshold t (MetaCLIP's balancing): p_e = min(1, t / c_e) and factor = 1 - Π_e (1 - p_e): a sample with
+  any entry rarer than t keeps factor 1, samples whose entries are all common are drawn less, about t / c of them.
+  MetaCLIP used t = 20,000 for 400M captions (their unit: captions per metadata entry).
+- A caption with no known entry (empty, or no concept the vocabulary knows) is weighted as if its only entry were
+  the most frequent one: it is never drawn more often than the head, and never dropped.
+
+Scale. Extraction runs over chunks of captions in `workers` processes and keeps entries as integer ids (CSR:
+`ConceptTable.ptr`, `.ids`), so 10 million captions take a few hundred MB (bench/README.md#balanced-data).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+__all__ = ["BALANCE_METHODS", "BalanceSettings", "ConceptTable", "caption_entries", "is_combination",
+           "build_concept_table", "entry_counts", "balance_factors"]
+
+BALANCE_METHODS = ("none", "temperature", "cap")
+BIND_JOIN, PAIR_JOIN = ":", " + "  # attribute:object, object + object
+CHUNK = 20_000  # captions per extraction task
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    """data.balance and its parameters (see the module doc)."""
+
+    method: str = "none"
+    alpha: float = 0.5  # temperature: factor = c_min^(-alpha)
+    cap: int = 0  # cap: the threshold t, in samples
+
+    def check(self) -> None:
+        """ValueError (one line) for settings that cannot be used."""
+        if self.method not in BALANCE_METHODS:
+            raise ValueError(f"data.balance must be one of {', '.join(BALANCE_METHODS)}, got {self.method!r}")
+        if self.method == "temperature" and not (np.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"data.balance_alpha must be >= 0 (0 = natural, 1 = fully balanced), got {self.alpha}")
+        if self.method == "cap" and self.cap < 1:
+            raise ValueError("data.balance=cap needs data.balance_cap=T >= 1: entries in more than T samples are "
+                             "drawn less (MetaCLIP used 20000 for 400M captions)")
+
+    def as_dict(self) -> dict:
+        if self.method == "temperature":
+            return {"method": self.method, "alpha": self.alpha}
+        if self.method == "cap":
+            return {"method": self.method, "cap": self.cap}
+        return {"method": self.method}
+
+
+def caption_entries(concepts: Sequence[str], kind: Callable[[str], str]) -> list[str]:
+    """The entries of a caption (see the module doc) from its concepts in caption order and their kinds
+    ("attribute" | "object")."""
+    entries = list(dict.fromkeys(concepts))
+    objects = []
+    for here, following in itertools.zip_longest(concepts, concepts[1:]):
+        if kind(here) == "object":
+            objects.append(here)
+        elif following is not None and kind(following) == "object":
+            entries.append(f"{here}{BIND_JOIN}{following}")
+    unique = sorted(set(objects))
+    entries.extend(f"{a}{PAIR_JOIN}{b}" for a, b in itertools.combinations(unique, 2))
+    return list(dict.fromkeys(entries))
+
+
+def is_combination(entry: str) -> bool:
+    """Whether an entry is a binding or a pair rather than a single concept."""
+    return BIND_JOIN in entry or PAIR_JOIN in entry
+
+
+@dataclass
+class ConceptTable:
+    """The entries of every sample: sample i's entry ids are `ids[ptr[i]:ptr[i+1]]`, names in `entries`."""
+
+    entries: list[str]
+    ptr: np.ndarray  # (N + 1,) int64
+    ids: np.ndarray  # int32
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.ptr)
+
+    def sample_entries(self, i: int) -> list[str]:
+        return [self.entries[k] for k in self.ids[self.ptr[i]:self.ptr[i + 1]]]
+
+
+def _extract_chunk(job: tuple[list[str], Callable]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Captions -> (local entry names, lengths, local ids): runs in worker processes."""
+    captions, extractor = job
+    kind = getattr(extractor, "kind", lambda concept: "object")
+    local: dict[str, int] = {}
+    lengths = np.empty(len(captions), dtype=np.int64)
+    ids: list[int] = []
+    for row, caption in enumerate(captions):
+        entries = caption_entries(extractor(caption), kind) if caption else []
+        lengths[row] = len(entries)
+        ids.extend(local.setdefault(e, len(local)) for e in entries)
+    return list(local), lengths, np.asarray(ids, dtype=np.int32)
+
+
+def _chunks(captions: Iterable[str], size: int) -> Iterator[list[str]]:
+    it = iter(captions)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+def build_concept_table(captions: Iterable[str], extractor: Callable, workers: int = 1,
+                        progress: bool = False) -> ConceptTable:
+    """The entries of each caption, in order ("" for a sample without a caption), in `workers` processes."""
+    names: dict[str, int] = {}
+    lengths: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="concepts", unit=" captions", unit_scale=True, mininterval=1.0, dynamic_ncols=True)
+
+    def merge(part: tuple[list[str], np.ndarray, np.ndarray]) -> None:
+        local, n, local_ids = part
+        remap = np.asarray([names.setdefault(e, len(names)) for e in local], dtype=np.int32)
+        lengths.append(n)
+        ids.append(remap[local_ids] if local_ids.size else local_ids)
+        if bar is not None:
+            bar.update(len(n))
+
+    jobs = ((chunk, extractor) for chunk in _chunks(captions, CHUNK))
+    try:
+        if workers > 1:
+            context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            with context.Pool(workers) as pool:
+                for part in pool.imap(_extract_chunk, jobs):
+                    merge(part)
+                pool.close()
+                pool.join()
+        else:
+            for job in jobs:
+                merge(_extract_chunk(job))
+    finally:
+        if bar is not None:
+            bar.close()
+    n = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    ptr = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    return ConceptTable(list(names), ptr, flat.astype(np.int32))
+
+
+def entry_counts(table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
+    """c_e: samples with entry e, each counted at its natural draw rate `rate` (default 1)."""
+    per_id = None if rate is None else np.repeat(np.asarray(rate, dtype=np.float64), table.lengths())
+    return np.bincount(table.ids, weights=per_id, minlength=len(table.entries)).astype(np.float64)
+
+
+def _reduce_rows(values: np.ndarray, table: ConceptTable, ufunc: np.ufunc, empty: float) -> np.ndarray:
+    """ufunc.reduce of `values` (one per entry occurrence) over each sample's row; `empty` for rows without any."""
+    out = np.full(len(table), empty, dtype=np.float64)
+    has = table.lengths() > 0
+    if values.size:
+        out[has] = ufunc.reduceat(values, table.ptr[:-1][has])
+    return out
+
+
+def balance_factors(table: ConceptTable, settings: BalanceSettings, rate: np.ndarray | None = None) -> np.ndarray:
+    """Each sample's balance factor (relative; see the module doc), float64, > 0 for every sample."""
+    settings.check()
+    if settings.method == "none":
+        return np.ones(len(table))
+    counts = entry_counts(table, rate)
+    head = float(counts.max()) if counts.size else 1.0
+    if settings.method == "temperature":
+        rarest = _reduce_rows(counts[table.ids], table, np.minimum, empty=head)
+        return np.power(rarest / head, -settings.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
+    keep = np.minimum(1.0, settings.cap / np.maximum(counts, 1e-300))
+    log_miss = np.log1p(-np.minimum(keep, 1.0 - 1e-16))  # log(1 - p_e); p_e = 1 counts as certain
+    missed = _reduce_rows(log_miss[table.ids], table, np.add, empty=np.log1p(-min(1.0, settings.cap / head)))
+    return -np.expm1(missed)

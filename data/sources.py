@@ -1,0 +1,180 @@
+"""Sources: several shard sets read as one, each with its share of the draws (data.sources).
+
+    data:
+      sources:
+        - {name: web, shards: "/data/web/{000000..000999}.tar", share: 0.7}
+        - {name: curated, shards: "/data/curated/*.tar", share: 0.3}
+
+A source is a shard spec (anything `data.urls.expand_urls` takes: brace pattern, glob, folder) of image shards or of
+precompute outputs, with either a `share` of the draws or a `repeat` factor:
+- share: the source gives that fraction of every epoch's draws (shares are normalised to sum to 1). An epoch is
+  data.epoch_samples draws, by default as many as the sources hold samples together.
+- repeat: each of the source's samples is drawn that many times per epoch on average (0.5: half of them; 3: three
+  times); the epoch is the sum of repeat x samples over the sources, or data.epoch_samples when set (the repeats are
+  then scaled to fill it).
+All sources give a share, or all give a repeat (neither: repeat 1). The loader reads the sources' shards as one
+index, source after source; `SourceMix` says which index range is which source and each sample's natural draws.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .urls import expand_urls, is_remote
+
+__all__ = ["SourceConfig", "Source", "SourceMix", "check_source_configs", "resolve_sources", "check_same_kind"]
+
+
+@dataclass
+class SourceConfig:
+    """One entry of data.sources."""
+
+    shards: str = ""  # brace/glob pattern or folder of tar shards (image shards or a precompute output)
+    name: str = ""  # how the source is named in the logs; default source0, source1, ...
+    share: float = 0.0  # fraction of the draws (normalised over the sources); 0 = not given
+    repeat: float = 0.0  # draws per sample per epoch; 0 = not given
+
+
+@dataclass
+class Source:
+    """A source resolved to its shard files."""
+
+    name: str
+    urls: list[str]
+    share: float | None
+    repeat: float | None
+
+
+def _name(cfg: SourceConfig, i: int) -> str:
+    return cfg.name or f"source{i}"
+
+
+def check_source_configs(configs: Sequence[SourceConfig]) -> None:
+    """ValueError (one line) for sources that cannot be mixed: no shards, a weight that is negative, zero where the
+    others are given, or not finite, shares mixed with repeats, a name used twice."""
+    names = [_name(c, i) for i, c in enumerate(configs)]
+    for cfg, name in zip(configs, names):
+        if not cfg.shards:
+            raise ValueError(f"data.sources: {name} has no shards; give shards: PATTERN")
+        for key in ("share", "repeat"):
+            value = getattr(cfg, key)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"data.sources: {name} has {key}={value}; a {key} must be > 0 (or left out)")
+        if cfg.share and cfg.repeat:
+            raise ValueError(f"data.sources: {name} gives both share and repeat; give one")
+    if len(set(names)) < len(names):
+        raise ValueError(f"data.sources: the names {names} repeat; give each source its own name")
+    given = {key: [bool(getattr(c, key)) for c in configs] for key in ("share", "repeat")}
+    if any(given["repeat"]) and any(given["share"]):
+        raise ValueError("data.sources: give every source a share, or every source a repeat, not both kinds")
+    if any(given["share"]) and not all(given["share"]):
+        missing = [n for n, g in zip(names, given["share"]) if not g]
+        raise ValueError(f"data.sources: every source needs a share > 0 when one has one ({', '.join(missing)} "
+                         f"has none); a source drawn never is a source left out")
+
+
+def resolve_sources(configs: Sequence[SourceConfig]) -> list[Source]:
+    """The sources with their shard files; FileNotFoundError (one line) for a source that matches no shard, a
+    ValueError for a shard in two sources or a remote source (sources are read indexed)."""
+    check_source_configs(configs)
+    sources, owner = [], {}
+    for i, cfg in enumerate(configs):
+        name = _name(cfg, i)
+        try:
+            urls = expand_urls(cfg.shards)
+        except (FileNotFoundError, ValueError) as err:
+            raise FileNotFoundError(f"data.sources: {name}: {err}") from None
+        if not urls:
+            raise FileNotFoundError(f"data.sources: {name} matches no shard ({cfg.shards})")
+        for url in urls:
+            if is_remote(url):
+                raise ValueError(f"data.sources: {name} is remote ({url[:80]}); sources are read indexed and need "
+                                 f"local shards (a remote set streams alone, as data.shards)")
+            key = os.path.abspath(url)
+            if key in owner:
+                raise ValueError(f"data.sources: shard {url} is in both {owner[key]} and {name}; a sample belongs "
+                                 f"to one source")
+            owner[key] = name
+        sources.append(Source(name, urls, cfg.share or None, cfg.repeat or None))
+    return sources
+
+
+class SourceMix:
+    """The sources as index ranges of the shards read one after the other, and their natural draws per epoch.
+
+    `sizes[s]` = samples of source s (from the index); `samples_per_epoch` = S (see the module doc);
+    `draws[s]` = source s's draws per epoch (float, sums to S); `rate[i]` = sample i's natural draws per epoch.
+    """
+
+    def __init__(self, sources: Sequence[Source], shard_sizes: Sequence[int], epoch_samples: int = 0):
+        counts = [len(s.urls) for s in sources]
+        if sum(counts) != len(shard_sizes):
+            raise ValueError(f"{len(shard_sizes)} shard sizes for {sum(counts)} shards of the sources")
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        self.sources = list(sources)
+        self.sizes = np.asarray([int(np.sum(shard_sizes[a:b])) for a, b in zip(bounds[:-1], bounds[1:])], np.int64)
+        for source, size in zip(self.sources, self.sizes):
+            if size == 0:
+                raise ValueError(f"data.sources: {source.name} has no readable samples ({source.urls[0]}, ...)")
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
+        if all(s.share for s in self.sources):
+            shares = np.asarray([s.share for s in self.sources], np.float64)
+            total = int(epoch_samples or self.starts[-1])
+            self.draws = total * shares / shares.sum()
+        else:
+            repeats = np.asarray([s.repeat or 1.0 for s in self.sources], np.float64)
+            natural = repeats * self.sizes
+            total = int(epoch_samples or max(1, round(natural.sum())))
+            self.draws = natural * (total / natural.sum())
+        self.samples_per_epoch = total
+        self.repeats = self.draws / self.sizes
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.starts[-1])
+
+    def source_of(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
+        """The source number of each sample index."""
+        return np.searchsorted(self.starts, np.asarray(indices), side="right") - 1
+
+    @property
+    def rate(self) -> np.ndarray:
+        """Each sample's natural draws per epoch: its source's repeat factor."""
+        return np.repeat(self.repeats, self.sizes)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per source: name, samples, draws per epoch, share of the draws, repeat factor."""
+        return [{"name": s.name, "samples": int(n), "draws": float(d), "share": float(d / self.samples_per_epoch),
+                 "repeat": float(r)} for s, n, d, r in zip(self.sources, self.sizes, self.draws, self.repeats)]
+
+
+# what decides how a precomputed sample reads; caption_field and min_size only chose which samples were encoded
+FEATURE_KEYS = ("resolution", "vae", "vae_subfolder", "text_encoder", "text_encoder_subfolder", "tokenizer_subfolder",
+                "encoder_dtype", "max_text_tokens", "text_dtype", "latent_shape", "vae_scaling_factor",
+                "text_hidden_size")
+
+
+def check_same_kind(sources: Sequence[Source]) -> dict[str, Any] | None:
+    """The precompute manifest the sources share (None when they are all image shards); ValueError (one line) when
+    image shards are mixed with precomputed ones, or precomputed sources differ in how their features were made."""
+    from .precomputed import find_manifest
+
+    manifests = [find_manifest(s.urls) for s in sources]
+    precomputed = [s.name for s, m in zip(sources, manifests) if m is not None]
+    images = [s.name for s, m in zip(sources, manifests) if m is None]
+    if precomputed and images:
+        raise ValueError(f"data.sources: {', '.join(precomputed)} hold precomputed features, {', '.join(images)} "
+                         f"image shards; mix sources of one kind (python -m data.precompute the image shards)")
+    if not precomputed:
+        return None
+    first = manifests[0]
+    for source, manifest in zip(sources[1:], manifests[1:]):
+        diff = [f"{k}={manifest.get(k)!r} vs {first.get(k)!r}" for k in FEATURE_KEYS if manifest.get(k) != first.get(k)]
+        if diff:
+            raise ValueError(f"data.sources: {source.name}'s features were made with other settings than "
+                             f"{sources[0].name}'s ({'; '.join(diff)}); precompute them with the same settings")
+    return first

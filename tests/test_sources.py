@@ -1,0 +1,258 @@
+"""data.sources and data.balance: several shard sets with shares, concept weights from the captions, the stored
+draw plan, the loader that draws it, and the one-line refusals."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from accelerate import Accelerator
+
+from data.balance import BalanceSettings, balance_factors, build_concept_table, caption_entries, entry_counts
+from data.concepts import default_extractor
+from data.draw_plan import describe_plan, load_plan, plan_draws
+from data.index import load_or_build_index
+from data.sources import SourceConfig, SourceMix, check_same_kind, resolve_sources
+from data.synthetic import write_synthetic_shards
+from data.weighted import WeightedOrder
+from imba.training.config import ConfigError, load_config
+from imba.training.inputs import make_loader, training_sources
+
+
+@pytest.fixture(scope="module")
+def two_sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    big = write_synthetic_shards(root / "big", num_samples=90, samples_per_shard=40, resolution=32, seed=1)
+    small = write_synthetic_shards(root / "small", num_samples=30, samples_per_shard=40, resolution=32, seed=2)
+    return root, big, small
+
+
+# ---- entries and weights ----------------------------------------------------------------------------------------
+
+
+def test_a_caption_is_rare_for_its_concepts_its_bindings_and_its_pairs():
+    extractor = default_extractor()
+    entries = caption_entries(extractor("a red cross and a blue square"), extractor.kind)
+    assert entries == ["red", "cross", "blue", "square", "red:cross", "blue:square", "cross + square"]
+    assert caption_entries(extractor("a dog"), extractor.kind) == ["dog"]
+    assert caption_entries([], extractor.kind) == []
+
+
+def table_of(captions):
+    return build_concept_table(captions, default_extractor())
+
+
+def test_temperature_reaches_a_rare_combination_of_common_concepts():
+    # red and cross are each in half the captions; the red cross itself is in 2 of 200
+    captions = (["a red circle"] * 98 + ["a blue cross"] * 98 + ["a red cross"] * 2 + ["a blue circle"] * 2)
+    table = table_of(captions)
+    natural = balance_factors(table, BalanceSettings("temperature", alpha=0.0))
+    assert np.all(natural == 1)
+    w = balance_factors(table, BalanceSettings("temperature", alpha=1.0))
+    # the factor of a sample is 1 / (count of its rarest entry), relative to the head: red:cross has count 2
+    counts = dict(zip(table.entries, entry_counts(table)))
+    assert counts["red:cross"] == 2 and counts["red"] == 100 and counts["cross"] == 100
+    assert w[196] / w[0] == pytest.approx(counts["red:circle"] / counts["red:cross"])
+    # alpha = 1: the samples of each rarest entry are drawn about equally often in total
+    groups = {c: w[[i for i, x in enumerate(captions) if x == c]].sum() for c in set(captions)}
+    assert max(groups.values()) / min(groups.values()) == pytest.approx(1.0)
+
+
+def test_cap_is_metaclip_balancing_and_a_caption_without_concepts_is_weighted_like_the_head():
+    captions = ["a red circle"] * 90 + ["a cyan ring"] * 10 + ["", "nothing known here"]
+    table = table_of(captions)
+    w = balance_factors(table, BalanceSettings("cap", cap=20))
+    counts = dict(zip(table.entries, entry_counts(table)))
+    # 1 - prod(1 - min(1, t / c_e)) over red, circle, red:circle (90 each)
+    assert w[0] == pytest.approx(1 - (1 - 20 / 90) ** 3)
+    assert w[90] == pytest.approx(1.0) and counts["cyan"] == 10  # an entry under the cap keeps the sample whole
+    assert w[100] == w[101] == pytest.approx(20 / max(counts.values()))  # like a sample of the head entry alone
+    t = balance_factors(table, BalanceSettings("temperature", alpha=0.7))
+    assert t[100] == t[101] == pytest.approx(1.0)  # the head's factor: never boosted, never dropped
+    assert np.all(t[:90] == 1.0) and np.all(t[90:100] > 1)
+
+
+def test_counts_follow_the_natural_draw_rate():
+    table = table_of(["a red circle", "a red circle", "a cyan ring"])
+    assert dict(zip(table.entries, entry_counts(table, np.array([1.0, 1.0, 4.0]))))["cyan"] == 4.0
+
+
+def test_extraction_in_worker_processes_gives_the_same_table():
+    captions = [f"a {c} {s} and a blue ring" for c in ("red", "green", "cyan") for s in ("circle", "star")] * 7
+    one, two = build_concept_table(captions, default_extractor()), None
+    import data.balance as balance
+
+    chunk = balance.CHUNK
+    balance.CHUNK = 5  # several chunks, merged in order
+    try:
+        two = build_concept_table(captions, default_extractor(), workers=2)
+    finally:
+        balance.CHUNK = chunk
+    assert [one.sample_entries(i) for i in range(len(one))] == [two.sample_entries(i) for i in range(len(two))]
+
+
+# ---- sources and the draw plan ----------------------------------------------------------------------------------
+
+
+def mix_of(configs, epoch_samples=0):
+    sources = resolve_sources(configs)
+    index = load_or_build_index([u for s in sources for u in s.urls])
+    return index, SourceMix(sources, index.nsamples, epoch_samples)
+
+
+def test_shares_and_repeats_set_each_sources_draws(two_sets):
+    root, big, small = two_sets
+    index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7), SourceConfig(str(root / "small"), share=0.3)])
+    assert list(mix.sizes) == [90, 30] and mix.samples_per_epoch == 120
+    assert list(mix.draws) == pytest.approx([84, 36]) and list(mix.repeats) == pytest.approx([84 / 90, 36 / 30])
+    _, mix = mix_of([SourceConfig(str(root / "big")), SourceConfig(str(root / "small"), repeat=3)])
+    assert mix.samples_per_epoch == 180 and list(mix.repeats) == pytest.approx([1, 3])
+    _, mix = mix_of([SourceConfig(str(root / "big"), repeat=1), SourceConfig(str(root / "small"), repeat=3)], 90)
+    assert mix.samples_per_epoch == 90 and list(mix.repeats) == pytest.approx([0.5, 1.5])  # scaled to fill 90
+    assert list(mix.source_of([0, 89, 90, 119])) == [0, 0, 1, 1]
+
+
+def test_the_plan_keeps_the_shares_balances_within_them_and_is_reused_while_its_fingerprint_holds(two_sets, tmp_path):
+    root, big, small = two_sets
+    index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7, name="big"),
+                         SourceConfig(str(root / "small"), share=0.3, name="small")])
+    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path)
+    e = plan.expected
+    assert e[:90].sum() == pytest.approx(84, abs=1e-5) and e[90:].sum() == pytest.approx(36, abs=1e-5)
+    assert e.max() / e.min() > 3  # balanced within the sources
+    r = plan.report
+    assert r["largest_repeat"]["draws_per_epoch"] == pytest.approx(e.max())
+    assert r["distinct_share"] == pytest.approx(np.minimum(e, 1).sum() / 120)
+    assert {row[0] for row in r["concepts"]} >= {"circle", "ring", "red", "cyan"}
+    assert os.path.isfile(tmp_path / "draws.npy") and json.loads((tmp_path / "draws.json").read_text()) == r
+    text = "\n".join(describe_plan(plan))
+    assert "an epoch is 120 draws from 120 samples" in text and "small: 30 samples, 30.0% of the draws" in text
+
+    def unread():
+        raise AssertionError("the stored plan should have been reused")
+
+    again = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=unread)
+    assert np.array_equal(again.units, plan.units)
+    other = plan_draws(index, mix, BalanceSettings("temperature", alpha=0.5), tmp_path)  # settings changed
+    assert not np.array_equal(other.units, plan.units) and load_plan(tmp_path).report["balance"]["alpha"] == 0.5
+
+
+def test_drawn_shares_match_the_plan_within_the_bound_of_the_sample_count(two_sets, tmp_path):
+    root, big, small = two_sets
+    index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7), SourceConfig(str(root / "small"), share=0.3)])
+    plan = plan_draws(index, mix, BalanceSettings("cap", cap=5), tmp_path)
+    order = WeightedOrder(plan.units, plan.samples_per_epoch, seed=0)
+    draws = order.samples(np.arange(50 * 120))  # 50 epochs
+    from_small = np.count_nonzero(draws >= 90)
+    # per epoch each sample is drawn floor or ceil of its expected draws: a source's total is a sum of
+    # independent roundings, whose standard deviation is at most sqrt(n_samples / 4) per epoch
+    e = plan.expected[90:]
+    sd = np.sqrt(50 * np.sum((e - np.floor(e)) * (np.ceil(e) - e)))
+    assert abs(from_small - 50 * 36) <= 4 * sd + 1
+    mean = np.bincount(draws, minlength=120) / 50
+    f = plan.expected - np.floor(plan.expected)
+    assert np.all(np.abs(mean - plan.expected) <= 5 * np.sqrt(f * (1 - f) / 50) + 1e-6)
+
+
+# ---- the run's loader -------------------------------------------------------------------------------------------
+
+
+RUN = ["data.resolution=32", "data.batch_size=4", "model.vae=tiny", "model.text_encoder=tiny-words",
+       "data.precompute=false"]
+
+
+def loader_keys(cfg, sources, step, saved_world, rank, world, batches):
+    accelerator = Accelerator(cpu=True)
+    accelerator.state.process_index, accelerator.state.num_processes = rank, world  # this rank's view of the run
+    try:
+        loader = make_loader(cfg, accelerator, sources, step, saved_world, None, bucket_divisor=16)
+        it = iter(loader)
+        return [key for _ in range(batches) for key in next(it)["keys"]]
+    finally:
+        accelerator.state.process_index, accelerator.state.num_processes = 0, 1
+
+
+def test_the_run_loader_draws_the_plan_and_continues_on_another_process_count(two_sets, tmp_path):
+    root, big, small = two_sets
+    cfg = load_config([*RUN, f"train.output_dir={tmp_path}", "data.balance=temperature", "data.balance_alpha=1",
+                       f"data.sources=[{{shards: {root / 'big'}, share: 0.7}}, {{shards: {root / 'small'}, "
+                       f"share: 0.3}}]"])
+    sources = training_sources(cfg, Accelerator(cpu=True), tmp_path)
+    assert [s.name for s in sources] == ["source0", "source1"]
+    one = loader_keys(cfg, sources, 0, 1, 0, 1, 12)  # 12 batches of 4 from one process
+    plan = load_plan(tmp_path / "data")
+    assert plan is not None and (tmp_path / "data" / "draws.png").is_file()
+    # the keys are the plan's stream, read from the sources' shards one after the other
+    index = load_or_build_index([u for s in sources for u in s.urls])
+    stream = WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed).samples(range(48))
+    assert one == [index_key(index, i) for i in stream]
+    # 2 processes from scratch: their batches interleave into the same stream
+    r0 = loader_keys(cfg, sources, 0, 2, 0, 2, 6)
+    r1 = loader_keys(cfg, sources, 0, 2, 1, 2, 6)
+    assert sum(([*r0[4 * t:4 * t + 4], *r1[4 * t:4 * t + 4]] for t in range(6)), []) == one
+    # 2 -> 1: after 3 steps of 2 processes (24 samples) one process continues with the 25th
+    assert loader_keys(cfg, sources, 3, 2, 0, 1, 6) == one[24:48]
+    # 1 -> 2: after 4 steps of 1 process (16 samples) rank 0 and 1 continue with the 17th
+    assert loader_keys(cfg, sources, 4, 1, 0, 2, 2)[:4] == one[16:20]
+    assert loader_keys(cfg, sources, 4, 1, 1, 2, 2)[:4] == one[20:24]
+
+
+def index_key(index, i):
+    from data.index import parse_sample
+
+    shard, start, end = index.locate(int(i))
+    with open(index.urls[shard], "rb") as f:
+        f.seek(start)
+        return parse_sample(f.read(end - start))["__key__"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.sources=[{shards: a, share: 0}, {shards: b, share: 1}]"], "every source needs a share > 0"),
+    (["data.sources=[{shards: a, share: -1}]"], "source0 has share=-1.0; a share must be > 0"),
+    (["data.sources=[{shards: a, share: 0.5}, {shards: b, repeat: 2}]"], "not both kinds"),
+    (["data.sources=[{shards: a, share: 0.5, repeat: 2}]"], "gives both share and repeat"),
+    (["data.sources=[{name: x}]"], "x has no shards"),
+    (["data.sources=[{shards: a, name: x}, {shards: b, name: x}]"], "the names ['x', 'x'] repeat"),
+    (["data.sources=[{shards: a, weight: 2}]"], "unknown config key 'data.sources[0].weight'"),
+    (["data.sources=[a/*.tar]"], "expects a mapping with keys shards, name, share, repeat"),
+    (["data.shards=a", "data.sources=[{shards: b}]"], "give data.shards or data.sources, not both"),
+    (["data.balance=cap"], "data.balance=cap needs data.balance_cap=T >= 1"),
+    (["data.balance=inverse"], "must be one of none, temperature, cap"),
+    (["data.balance=temperature", "data.balance_alpha=-1"], "'data.balance_alpha' must be >= 0"),
+    (["data.balance=temperature", "data.mode=streaming"], "need indexed reading"),
+    (["data.sources=[{shards: a}]", "data.bucketing=true"], "cannot be combined with data.sources or data.balance"),
+])
+def test_bad_source_and_balance_settings_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sources_that_cannot_be_read_as_one_are_refused_in_one_line(two_sets, tmp_path):
+    root, big, small = two_sets
+    with pytest.raises(FileNotFoundError, match="data.sources: source1: no shards found"):
+        resolve_sources([SourceConfig(str(root / "big")), SourceConfig(str(tmp_path / "missing"))])
+    with pytest.raises(ValueError, match="is in both source0 and source1"):
+        resolve_sources([SourceConfig(str(root / "big")), SourceConfig(big[0])])
+    with pytest.raises(ValueError, match="sources are read indexed"):
+        resolve_sources([SourceConfig("https://example.org/{0..3}.tar")])
+    empty = tmp_path / "empty.tar"
+    import tarfile
+
+    tarfile.open(empty, "w").close()
+    with pytest.raises(ValueError, match="source1 has no readable samples"):
+        SourceMix(resolve_sources([SourceConfig(big[0]), SourceConfig(str(empty))]), [40, 0])
+
+
+def test_image_shards_mixed_with_precomputed_ones_are_refused(two_sets, tmp_path):
+    from data.precompute import PrecomputeSettings, precompute_shards
+
+    root, big, small = two_sets
+    settings = dict(resolution=32, vae="tiny", text_encoder="tiny-words", max_text_tokens=12)
+    precompute_shards(small, tmp_path / "a", PrecomputeSettings(**settings))
+    precompute_shards(small, tmp_path / "b", PrecomputeSettings(**{**settings, "max_text_tokens": 10}))
+    with pytest.raises(ValueError, match="source0 hold precomputed features, source1 image shards"):
+        check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a")), SourceConfig(str(root / "big"))]))
+    with pytest.raises(ValueError, match=r"source1's features were made with other settings .*max_text_tokens=10"):
+        check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a")), SourceConfig(str(tmp_path / "b"))]))
+    assert check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a"))]))["max_text_tokens"] == 12

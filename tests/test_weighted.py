@@ -1,0 +1,101 @@
+"""The weighted stream (data.weighted): exact per-epoch draws, the target distribution, one global order for any
+process count, and exact continuation from a sample count."""
+
+import numpy as np
+import pytest
+
+from data.weighted import UNIT, StreamBatchSampler, WeightedOrder, expected_draws_to_units
+
+
+def order_for(expected, samples_per_epoch, seed=0):
+    return WeightedOrder(expected_draws_to_units(expected, samples_per_epoch), samples_per_epoch, seed=seed)
+
+
+def test_units_sum_exactly_and_follow_the_expected_draws():
+    expected = np.array([0.0, 0.3, 1.0, 2.5, 7.2])
+    units = expected_draws_to_units(expected, 11)
+    assert units.dtype == np.int64 and units.sum() == 11 * UNIT
+    assert units[0] == 0  # a weight of 0 is never drawn
+    assert np.abs(units / UNIT - expected).max() <= 1 / UNIT  # 11 = the expected sum: no rescaling
+    # rescaled to another epoch size, the proportions stay
+    assert np.allclose(expected_draws_to_units(expected, 22) / UNIT, 2 * expected, atol=1 / UNIT)
+    for bad in ([], [-1.0, 2.0], [0.0, 0.0], [np.nan, 1.0]):
+        with pytest.raises(ValueError):
+            expected_draws_to_units(bad, 5)
+
+
+def test_each_epoch_draws_every_sample_the_floor_or_ceiling_of_its_expected_draws():
+    rng = np.random.default_rng(0)
+    expected = rng.pareto(1.2, 300) + 0.05  # long-tailed: from < 0.1 to dozens of draws
+    order = order_for(expected, 600)
+    e = order.expected_draws()
+    for epoch in range(5):
+        counts = order.epoch_counts(epoch)
+        assert counts.sum() == 600
+        assert np.all((counts == np.floor(e)) | (counts == np.ceil(e)))
+        # the epoch's positions visit exactly those draws
+        drawn = order.samples(np.arange(epoch * 600, (epoch + 1) * 600))
+        assert np.array_equal(np.bincount(drawn, minlength=300), counts)
+
+
+def test_draws_average_the_target_within_the_bound_of_the_epoch_count():
+    """Per epoch a sample of expected draws e is drawn ceil(e) times with probability frac(e): over K epochs its
+    mean draws lie within a few standard deviations sqrt(f(1 - f) / K) of e."""
+    expected = np.linspace(0.05, 3.0, 40)
+    order = order_for(expected, int(round(expected.sum())))
+    e = order.expected_draws()
+    epochs = 400
+    mean = sum(order.epoch_counts(k) for k in range(epochs)) / epochs
+    frac = e - np.floor(e)
+    bound = 5 * np.sqrt(frac * (1 - frac) / epochs) + 2 / UNIT
+    assert np.all(np.abs(mean - e) <= bound), np.max(np.abs(mean - e) / bound)
+    # and the draws spread: which samples round up changes from epoch to epoch
+    assert len({tuple(order.epoch_counts(k)) for k in range(10)}) == 10
+
+
+def test_the_stream_is_a_pure_function_of_seed_and_position():
+    expected = np.arange(1, 51, dtype=float)
+    a, b = order_for(expected, 500, seed=3), order_for(expected, 500, seed=3)
+    positions = np.array([0, 499, 500, 1234, 7])
+    assert np.array_equal(a.samples(positions), b.samples(positions))
+    assert not np.array_equal(a.samples(np.arange(500)), order_for(expected, 500, seed=4).samples(np.arange(500)))
+    # two epochs differ in order, not only in which samples round up
+    assert not np.array_equal(a.samples(np.arange(500)), a.samples(np.arange(500, 1000)))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_together_draw_the_single_process_stream(world):
+    order = order_for(np.linspace(0.2, 4.0, 37), 61)  # an epoch that no batch size divides
+    batch = 4
+    single = StreamBatchSampler(order, world * batch)
+    ranks = [StreamBatchSampler(order, batch, rank=r, world_size=world) for r in range(world)]
+    for t in range(40):  # across several epochs
+        assert sum((s.batch_indices(t) for s in ranks), []) == single.batch_indices(t)
+
+
+@pytest.mark.parametrize("saved,now", [(2, 1), (1, 2), (2, 2), (2, 3)])
+def test_a_resumed_stream_continues_after_the_samples_consumed_on_any_process_count(saved, now):
+    order = order_for(np.linspace(0.2, 4.0, 37), 61)
+    batch, steps = 2, 5
+    uninterrupted = order.samples(np.arange(0, 400)).tolist()
+    done = steps * saved * batch  # `steps` optimizer steps of `saved` processes
+    resumed = [StreamBatchSampler(order, batch, rank=r, world_size=now, samples_done=done) for r in range(now)]
+    got = []
+    for t in range(20):
+        for sampler in resumed:
+            got += sampler.batch_indices(t)
+    assert got == uninterrupted[done:done + len(got)]
+    assert next(iter(resumed[0])) == resumed[0].batch_indices(0)
+
+
+def test_bad_orders_and_samplers_are_refused():
+    units = expected_draws_to_units([1.0, 1.0], 2)
+    with pytest.raises(ValueError, match="sum to samples_per_epoch"):
+        WeightedOrder(units, 3)
+    with pytest.raises(ValueError):
+        WeightedOrder(-units, 2)
+    order = WeightedOrder(units, 2)
+    with pytest.raises(ValueError, match="outside world_size"):
+        StreamBatchSampler(order, 1, rank=2, world_size=2)
+    with pytest.raises(ValueError):
+        StreamBatchSampler(order, 0)
