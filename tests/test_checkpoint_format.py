@@ -1,19 +1,26 @@
 """Checkpoints across versions: the golden checkpoints under tests/golden/ (one per checkpoint format, each written by
-the code of its day) resume to their recorded weights and export with today's code."""
+the code of its day) resume to their recorded weights and export with today's code; the layout names its files and
+its format; per-rank state follows its rule on another process count."""
 
+import json
 import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from diffusers import PixArtTransformer2DModel
 from safetensors.torch import load_file
 
 import train
-from imba.training.checkpoints import load_ema_state
+from imba.training import checkpoints
+from imba.training.checkpoints import TrainState, load_checkpoint, load_ema_state, register, register_state
+from imba.training.config import ConfigError
+from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
+from imba.training.resume import plan_resume
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
@@ -75,3 +82,102 @@ def test_the_golden_checkpoint_resumes_to_its_recorded_weights_and_exports(fmt, 
     transformer = PixArtTransformer2DModel.from_pretrained(exported / "transformer")
     for param, shadow in zip(transformer.parameters(), load_ema_state(golden)["shadow_params"], strict=True):
         assert torch.equal(param, shadow)
+
+
+class Draws:
+    """Per-rank state, as a data sampler's: how many samples this rank has drawn."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+class TinyRun:
+    """A single-process accelerate run of a Linear model with the EMA, the counters and one per-rank part."""
+
+    def __init__(self, root: Path):
+        self.accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(8, 4)
+        self.model, self.optimizer = self.accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        self.ema, self.state, self.draws = make_ema(self.model.parameters()), TrainState(world_size=1), Draws()
+        register_state(self.accelerator, self.ema, self.state)
+        register(self.accelerator, "draws", self.draws, per_rank=True)
+        self.root = root
+
+    def save(self) -> Path:
+        self.model(torch.randn(2, 8)).square().mean().backward()
+        self.optimizer.step()
+        self.ema.step(self.model.parameters())
+        self.state.step += 1
+        self.draws.n += 2
+        return checkpoints.save_checkpoint(self.accelerator, self.root, self.state.step, 3, config_text="tiny: 1\n")
+
+
+@pytest.fixture
+def run(tmp_path):
+    yield TinyRun(tmp_path / "checkpoints")
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_state_files_are_named_by_what_they_hold_and_the_manifest_names_the_format(run):
+    checkpoint = run.save()
+    files = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()}
+    assert {"ema.pt", "train_state.pt", "rank_state/rank_00000.pt", "model.safetensors", "optimizer.bin"} <= files
+    assert not [f for f in files if f.startswith("custom_checkpoint")]
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["format"] == checkpoints.FORMAT == 2 and "rank_state/rank_00000.pt" in manifest["files"]
+    assert checkpoints.checkpoint_format(checkpoint) == 2 and checkpoints.is_checkpoint(checkpoint)
+    assert torch.load(checkpoint / "train_state.pt", weights_only=False)["step"] == 1
+    assert load_ema_state(checkpoint)["optimization_step"] == 1
+
+
+def test_per_rank_state_rank_r_reads_rank_r_else_starts_fresh(run, monkeypatch, capsys):
+    """The rule for a change of process count (docs/checkpoints.md): rank r of the new run reads rank r's file of
+    the old run if it has one; a rank the old run did not have starts its per-rank state fresh, in one line."""
+    checkpoint = run.save()  # rank 0's file: n=2
+    torch.save({"draws": {"n": 7}}, checkpoints.rank_file(checkpoint, 1))  # as rank 1 of a 2-process run writes
+    run.draws.n = 99
+    load_checkpoint(run.accelerator, checkpoint)
+    assert run.draws.n == 2 and run.state.step == 1
+    for rank, expected in ((1, 7), (2, 0)):
+        monkeypatch.setattr(Accelerator, "process_index", property(lambda self, rank=rank: rank))
+        fresh = Draws()  # what a new run's rank holds before it loads
+        accelerator = run.accelerator
+        monkeypatch.setattr(checkpoints._REGISTERED[accelerator], "per_rank", {"draws": fresh})
+        capsys.readouterr()
+        load_checkpoint(accelerator, checkpoint)
+        assert fresh.n == expected
+        out = capsys.readouterr().out
+        assert ("rank 2: " in out and "rank_00002.pt" in out and "draws: starting it fresh" in out) == (rank == 2)
+
+
+def test_a_part_the_checkpoint_does_not_hold_starts_fresh_in_one_line(run, capsys):
+    checkpoint = run.save()
+    later = Draws(5)  # registered by newer code than wrote the checkpoint
+    register(run.accelerator, "monitor", later)
+    capsys.readouterr()
+    load_checkpoint(run.accelerator, checkpoint)
+    assert later.n == 5
+    assert capsys.readouterr().out.strip() == f"{checkpoint} holds no monitor (written by an earlier version): " \
+                                              "starting it fresh"
+    with pytest.raises(ValueError, match="registered twice"):
+        register(run.accelerator, "monitor", later)
+
+
+def test_a_checkpoint_of_a_newer_format_is_a_one_line_error(run):
+    checkpoint = run.save()
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "format": 3}))
+    for attempt in (lambda: plan_resume(str(checkpoint), run.root, run.accelerator),
+                    lambda: export_checkpoint(checkpoint)):
+        with pytest.raises(ConfigError) as raised:
+            attempt()
+        assert str(raised.value) == (f"{checkpoint} is a checkpoint of format 3, which this version of the code "
+                                     "cannot read (it reads formats 1 to 2): use the version that wrote it, or a "
+                                     "newer one")
+

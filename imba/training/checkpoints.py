@@ -1,10 +1,10 @@
 """Checkpoint folders: `<output_dir>/checkpoints/step_0000100/`, each a complete `accelerator.save_state` plus the
-run's config and a manifest.
+parts registered here (EMA, the loop's counters, per-rank state), the run's config and a manifest.
 
 Writing order, so that a crash, a pre-emption, a power loss or a full disk at any moment leaves only complete
 checkpoints behind:
 1. every rank writes into `.tmp_step_…` (DeepSpeed writes shards on every rank; accelerate's DDP save writes on the
-   main process);
+   main process, and so do the registered parts, but for each rank's own `rank_state/` file);
 2. once all ranks are done, the main process adds the resolved `config.yaml` and `manifest.json` (every file's
    relative path, size and SHA-256: `imba.training.integrity`), flushes every file and folder to disk, renames the
    folder to `step_…` and flushes the parent folder: a power loss cannot leave a `step_…` name without its data;
@@ -35,18 +35,32 @@ per rank; DeepSpeed's `ds_to_universal` converts the engine's part into `<checkp
 rename), which loads on any process count (`imba.training.resume`). `python -m imba.training.checkpoints
 to-universal CHECKPOINT` converts ahead of time. It is derived from a verified checkpoint and not in the manifest.
 
+The layout (format 2, `FORMAT`; `manifest.json` says `"format": 2`): accelerate's `save_state` files (model or
+DeepSpeed shards, optimizer, LR schedule, `random_states_<rank>.pkl`), then the parts registered here (`register`),
+each in a file named by what it holds: `<name>.pt` for state equal on every rank (the main process's is saved:
+`ema.pt`, `train_state.pt`), `rank_state/rank_<rank, 5 digits>.pt` for state that differs per rank (every rank
+writes its own: {name: state}). On a resume, rank r reads `rank_state/rank_r` if the checkpoint has it, else its
+per-rank parts start fresh (a run on more processes than wrote the checkpoint), and files of ranks that no longer
+exist are not read. A part the checkpoint does not hold (registered by newer code) starts fresh, in one line.
+Format 1 (a manifest without `format`) let accelerate's `register_for_checkpointing` name the EMA and the counters
+`custom_checkpoint_0.pkl` and `custom_checkpoint_1.pkl` by registration order; it is read as it is. A format newer
+than this code's is a one-line error.
+
 This module is the one place that knows the file layout inside a checkpoint folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import sys
+import tempfile
+import weakref
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -59,9 +73,14 @@ from imba.training.integrity import check_manifest, folder_manifest, fsync_dir, 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_step_"
 LATEST = "latest"
-# accelerate names registered objects by registration order: `register_state` registers the EMA, then the TrainState
-EMA_STATE_FILE = "custom_checkpoint_0.pkl"
-TRAIN_STATE_FILE = "custom_checkpoint_1.pkl"
+FORMAT = 2  # the layout this code writes (the module docstring), as "format" in manifest.json; none there: 1
+EMA_STATE_FILE = "ema.pt"  # the registered part "ema": `<name>.pt`
+TRAIN_STATE_FILE = "train_state.pt"
+RANK_STATE_DIR = "rank_state"  # rank_state/rank_00000.pt ...: each rank's own parts
+# format 1: accelerate's `register_for_checkpointing` named the parts by registration order (EMA, then TrainState)
+FORMAT1_FILES = {"ema": "custom_checkpoint_0.pkl", "train_state": "custom_checkpoint_1.pkl"}
+_ACCELERATE_CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")  # what accelerate's load_state counts
+_PART_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 CONFIG_FILE = "config.yaml"  # the run's resolved config, written into every checkpoint
 MANIFEST_FILE = "manifest.json"  # every other file's relative path, size and SHA-256
 DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state gives the DeepSpeed engine's shards
@@ -74,7 +93,7 @@ class CheckpointError(ConfigError):
 
 
 class TrainState:
-    """The loop's own counters, saved and restored with the checkpoint (accelerate `register_for_checkpointing`).
+    """The loop's own counters, saved and restored with the checkpoint (`train_state.pt`, see `register_state`).
 
     `world_size` is the number of processes that wrote the checkpoint (None before the first save or load).
     `loss`: the training loss, whose running state (if any) travels with the counters.
@@ -96,27 +115,146 @@ class TrainState:
             self.loss.load_state_dict(state.get("loss", {}))
 
 
+class _Parts:
+    """The objects (with `state_dict`/`load_state_dict`) an accelerator's checkpoints carry, by name."""
+
+    def __init__(self) -> None:
+        self.shared: dict = {}  # equal on every rank: <name>.pt
+        self.per_rank: dict = {}  # each rank's own: rank_state/rank_<r>.pt
+
+
+_REGISTERED: "weakref.WeakKeyDictionary[Accelerator, _Parts]" = weakref.WeakKeyDictionary()
+
+
+def register(accelerator: Accelerator, name: str, obj, per_rank: bool = False) -> None:
+    """Have `save_checkpoint` and `load_checkpoint` carry `obj` (anything with `state_dict`/`load_state_dict`) as
+    `name`: in `<name>.pt`, or with `per_rank` in each rank's `rank_state/` file (the module docstring's rule)."""
+    if not _PART_NAME.match(name):
+        raise ValueError(f"checkpoint part name {name!r}: lower-case letters, digits and _ only")
+    parts = _REGISTERED.setdefault(accelerator, _Parts())
+    if name in parts.shared or name in parts.per_rank:
+        raise ValueError(f"checkpoint part {name!r} is registered twice")
+    (parts.per_rank if per_rank else parts.shared)[name] = obj
+
+
 def register_state(accelerator: Accelerator, ema, state: TrainState) -> None:
-    """Have `save_state`/`load_state` carry the EMA and the loop's counters, in the order the file names above
-    assume."""
-    accelerator.register_for_checkpointing(ema, state)
+    """Have the checkpoints carry the EMA (`ema.pt`) and the loop's counters (`train_state.pt`)."""
+    register(accelerator, "ema", ema)
+    register(accelerator, "train_state", state)
+
+
+def checkpoint_format(folder: Path) -> int:
+    """The layout of a checkpoint folder: its manifest's "format" (1 if it names none); without a manifest, what
+    its files show. A format newer than this code's is a one-line CheckpointError."""
+    folder = Path(folder)
+    if not (folder / MANIFEST_FILE).is_file():
+        return 1 if (folder / FORMAT1_FILES["ema"]).is_file() else FORMAT
+    manifest = read_json_object(folder / MANIFEST_FILE) or {}
+    found = manifest.get("format", 1)
+    if not isinstance(found, int) or isinstance(found, bool) or not 1 <= found <= FORMAT:
+        raise CheckpointError(f"{folder} is a checkpoint of format {found!r}, which this version of the code cannot "
+                              f"read (it reads formats 1 to {FORMAT}): use the version that wrote it, or a newer one")
+    return found
+
+
+def part_file(checkpoint: Path, name: str) -> Path | None:
+    """Where a checkpoint of its format keeps the part `name` (equal on every rank); None where the format has no
+    place for it (a part format 1 did not save)."""
+    checkpoint = Path(checkpoint)
+    if checkpoint_format(checkpoint) == 1:
+        return checkpoint / FORMAT1_FILES[name] if name in FORMAT1_FILES else None
+    return checkpoint / f"{name}.pt"
+
+
+def rank_file(checkpoint: Path, rank: int) -> Path:
+    return Path(checkpoint) / RANK_STATE_DIR / f"rank_{rank:05d}.pt"
+
+
+def _load(path: Path):
+    return torch.load(path, weights_only=False, map_location="cpu")
 
 
 def is_checkpoint(folder: Path) -> bool:
-    """True for a folder `save_checkpoint` wrote (it holds the run's config and the EMA state)."""
-    return (Path(folder) / CONFIG_FILE).is_file() and (Path(folder) / EMA_STATE_FILE).is_file()
+    """True for a folder `save_checkpoint` wrote, in any format (it holds the run's config and the EMA state)."""
+    folder = Path(folder)
+    return (folder / CONFIG_FILE).is_file() and any((folder / name).is_file()
+                                                     for name in (EMA_STATE_FILE, FORMAT1_FILES["ema"]))
 
 
 def load_ema_state(checkpoint: Path) -> dict:
     """The EMA's state dict as saved in a checkpoint, on the CPU (whole tensors in every mode: ZeRO-3's slices are
     gathered to save)."""
-    return torch.load(Path(checkpoint) / EMA_STATE_FILE, weights_only=False, map_location="cpu")
+    return _load(part_file(checkpoint, "ema"))
 
 
 def saved_world_size(checkpoint: Path) -> int | None:
     """How many processes wrote the checkpoint, read before loading it (None if it does not say)."""
-    state = torch.load(Path(checkpoint) / TRAIN_STATE_FILE, weights_only=False, map_location="cpu")
-    return state.get("world_size")
+    return _load(part_file(checkpoint, "train_state")).get("world_size")
+
+
+def _save_parts(accelerator: Accelerator, folder: Path) -> None:
+    """The registered parts into `folder`, beside `save_state`'s files. Every rank must call this: a part's
+    `state_dict` may be a collective (the ZeRO-3 EMA gathers its slices)."""
+    parts = _REGISTERED.get(accelerator)
+    if parts is None:
+        return
+    for name, obj in parts.shared.items():  # the same order on every rank: the collectives pair up
+        state = obj.state_dict()
+        if accelerator.is_main_process:
+            torch.save(state, folder / f"{name}.pt")
+    if parts.per_rank:
+        path = rank_file(folder, accelerator.process_index)
+        path.parent.mkdir(exist_ok=True)
+        torch.save({name: obj.state_dict() for name, obj in parts.per_rank.items()}, path)
+
+
+@contextlib.contextmanager
+def _for_load_state(folder: Path) -> Iterator[Path]:
+    """`folder`, or for a format-1 checkpoint (or its universal form) a temporary folder of links to everything in
+    it but `custom_checkpoint_N.pkl`: accelerate's `load_state` refuses a folder whose number of such files is not
+    the number of objects registered with it, and this module loads those parts itself."""
+    folder = Path(folder)
+    if not any(_ACCELERATE_CUSTOM.match(item.name) for item in folder.iterdir()):
+        yield folder
+        return
+    view = Path(tempfile.mkdtemp(prefix="checkpoint_view_"))  # per rank, on its own node
+    try:
+        for item in folder.iterdir():
+            if not _ACCELERATE_CUSTOM.match(item.name):
+                (view / item.name).symlink_to(item.resolve())
+        yield view
+    finally:
+        shutil.rmtree(view, ignore_errors=True)  # removes the links, never what they point to
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, load_from: Path | None = None,
+                    log: Callable[[str], None] = print) -> None:
+    """Everything `save_checkpoint` wrote, into the prepared model, optimizer and schedule (`load_state` from
+    `load_from`, default the checkpoint itself: e.g. its universal form) and the registered parts (from the
+    checkpoint, in its format). Every rank must call this."""
+    checkpoint = Path(checkpoint)
+    with _for_load_state(Path(load_from or checkpoint)) as folder:
+        accelerator.load_state(str(folder))
+    parts = _REGISTERED.get(accelerator) or _Parts()
+    fresh = []
+    for name, obj in parts.shared.items():
+        path = part_file(checkpoint, name)
+        if path is not None and path.is_file():
+            obj.load_state_dict(_load(path))
+        else:
+            fresh.append(name)
+    if fresh and accelerator.is_main_process:
+        log(f"{checkpoint} holds no {', '.join(fresh)} (written by an earlier version): starting it fresh")
+    if parts.per_rank:
+        path = rank_file(checkpoint, accelerator.process_index)
+        saved = _load(path) if path.is_file() else {}
+        fresh = [name for name in parts.per_rank if name not in saved]
+        for name, obj in parts.per_rank.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+        if fresh:
+            log(f"rank {accelerator.process_index}: {checkpoint} holds no {RANK_STATE_DIR}/{path.name} entry for "
+                f"{', '.join(fresh)}: starting it fresh on this rank")
 
 
 def to_universal(checkpoint: Path, workers: int = 1) -> Path:
@@ -150,9 +288,9 @@ def to_universal(checkpoint: Path, workers: int = 1) -> Path:
 
 
 def write_manifest(folder: Path) -> None:
-    """`<folder>/manifest.json` for every file now in `folder` (flushed to disk)."""
+    """`<folder>/manifest.json` for every file now in `folder` (flushed to disk), naming this code's `FORMAT`."""
     folder = Path(folder)
-    write_json(folder / MANIFEST_FILE, folder_manifest(folder, exclude=(MANIFEST_FILE,)))
+    write_json(folder / MANIFEST_FILE, {"format": FORMAT, **folder_manifest(folder, exclude=(MANIFEST_FILE,))})
 
 
 def verify_checkpoint(folder: Path, checksums: bool = True) -> str | None:
@@ -318,6 +456,7 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, 
     error, described = None, None
     try:
         accelerator.save_state(str(tmp))
+        _save_parts(accelerator, tmp)
         if accelerator.is_local_main_process and not main:
             fsync_tree(tmp)  # this node's writes; the main process flushes its own node's in `_publish`
     except Exception as err:

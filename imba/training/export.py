@@ -6,7 +6,7 @@ Works for checkpoints of every mode (single process, DDP, ZeRO-1/2/3: the EMA is
 folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` (`PixArtSigmaPipeline` for a PixArt-Σ run, see
 `build.pipeline_kind`) and no code from this project. The checkpoint is
 verified against its manifest first (`checkpoints.require_intact`): a damaged one is a one-line error, never an
-export of corrupted weights.
+export of corrupted weights. Checkpoints of every format are read (`checkpoints.checkpoint_format`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from imba.objectives import build_objective
 from imba.training.build import build_dit, load_encoders, pipeline_kind
-from imba.training.checkpoints import CONFIG_FILE, load_ema_state, require_intact
+from imba.training.checkpoints import CONFIG_FILE, checkpoint_format, load_ema_state, require_intact
 from imba.training.config import ConfigError, load_config
 from imba.training.ema import make_ema
 from imba.training.model_card import write_model_card
@@ -33,6 +33,7 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksum
     """The EMA weights of `checkpoint` with the frozen parts of its run, written as a pipeline folder.
     `checksums=False` verifies the checkpoint's file names and sizes only."""
     checkpoint = require_intact(Path(checkpoint), checksums)
+    checkpoint_format(checkpoint)  # a layout newer than this code: said before its config's keys are
     cfg = load_config(["--config", str(checkpoint / CONFIG_FILE)])
     encoders = load_encoders(cfg, "cpu")
     transformer = build_dit(cfg, encoders)

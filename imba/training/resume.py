@@ -19,8 +19,8 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from imba.training.checkpoints import (UNIVERSAL_DIR, TrainState, list_checkpoints, resolve_resume, saved_world_size,
-                                       to_universal)
+from imba.training.checkpoints import (UNIVERSAL_DIR, TrainState, list_checkpoints, load_checkpoint, resolve_resume,
+                                       saved_world_size, to_universal)
 from imba.training.config import ConfigError
 from imba.training.distributed import parameter_digest
 
@@ -90,7 +90,7 @@ def prepare_world_size_change(checkpoint: Path, saved: int, accelerator: Acceler
 
 def restore(plan: ResumePlan, accelerator: Accelerator, state: TrainState, ema, lr_scheduler, model) -> None:
     """After `prepare` and `checkpoints.register_state`: load the checkpoint into every registered part."""
-    accelerator.load_state(str(plan.load_from))
+    load_checkpoint(accelerator, plan.checkpoint, plan.load_from)
     ema.to(accelerator.device)  # accelerate loads registered objects onto the CPU
     rescale_schedule(lr_scheduler, plan.saved_world_size, accelerator.num_processes)
     digest = parameter_digest(model)  # equal to the one a run ending at that step prints: loaded intact
