@@ -1,6 +1,6 @@
 """Checkpoints across versions: the golden checkpoints under tests/golden/ (one per checkpoint format, each written by
 the code of its day) resume to their recorded weights and export with today's code; the layout names its files and
-its format; per-rank state follows its rule on another process count."""
+its format; per-rank state follows its rule on another process count; old config keys migrate in one line."""
 
 import json
 import shutil
@@ -15,11 +15,12 @@ from diffusers import PixArtTransformer2DModel
 from safetensors.torch import load_file
 
 import train
-from imba.training import checkpoints
+from imba.training import checkpoints, migrate
 from imba.training.checkpoints import TrainState, load_checkpoint, load_ema_state, register, register_state
 from imba.training.config import ConfigError
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
+from imba.training.integrity import file_digest
 from imba.training.resume import plan_resume
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,3 +182,52 @@ def test_a_checkpoint_of_a_newer_format_is_a_one_line_error(run):
                                      "cannot read (it reads formats 1 to 2): use the version that wrote it, or a "
                                      "newer one")
 
+
+def test_migration_moves_renamed_keys_and_drops_dropped_ones_in_one_line():
+    lines = []
+    saved = {"data": {"foo": 3, "resolution": 32}, "loss": {"old": True, "kind": "imba"}, "optim": {"a": 1, "b": 2}}
+    migrated = migrate.migrate_config(saved, "run/config.yaml", renamed={"data.foo": "data.bar", "optim.a": "optim.b"},
+                                      dropped={"loss.old": "no longer used", "loss.never": "absent"}, log=lines.append)
+    assert migrated == {"data": {"bar": 3, "resolution": 32}, "loss": {"kind": "imba"}, "optim": {"b": 2}}
+    assert saved["data"] == {"foo": 3, "resolution": 32}  # the caller's mapping is left as it was
+    assert lines == ["config of run/config.yaml: data.foo renamed to data.bar; optim.a dropped (optim.b, its new "
+                     "name, is set too); loss.old dropped (no longer used)"]
+    lines.clear()
+    assert migrate.migrate_config(migrated, "x", renamed={"data.foo": "data.bar"}, log=lines.append) == migrated
+    assert lines == []  # nothing to migrate: nothing said
+
+
+def with_old_keys(golden: Path, copy: Path) -> Path:
+    """A copy of `golden` whose config names optim.ema_decay by an older name and a key since dropped, as a
+    version that had them wrote it, its manifest updated to match (keeping its format)."""
+    shutil.copytree(golden, copy)
+    config = copy / "config.yaml"
+    text = config.read_text()
+    assert "  ema_decay: 0.999\n" in text
+    config.write_text(text.replace("  ema_decay: 0.999\n", "  ema_rate: 0.999\n").replace(
+        "loss:\n", "loss:\n  old_knob: 3\n"))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"]["config.yaml"] = {"size": config.stat().st_size, "sha256": file_digest(config)}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_a_checkpoint_whose_config_names_renamed_and_dropped_keys_exports_and_resumes(tmp_path, monkeypatch,
+                                                                                       capsys):
+    old = with_old_keys(GOLDEN / "format1" / "step_0000002", tmp_path / "old" / "checkpoints" / "step_0000002")
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError, match="unknown config key 'loss.old_knob'"):  # what an unmigrated key meets
+        export_checkpoint(old, tmp_path / "unmigrated")
+    monkeypatch.setattr(migrate, "RENAMED", {"optim.ema_rate": "optim.ema_decay"})  # as if this version renamed it
+    monkeypatch.setattr(migrate, "DROPPED", {"loss.old_knob": "no longer used"})
+    line = (f"config of {old / 'config.yaml'}: optim.ema_rate renamed to optim.ema_decay; loss.old_knob dropped "
+            "(no longer used)")
+    capsys.readouterr()
+    assert (export_checkpoint(old, tmp_path / "export") / "model_index.json").is_file()
+    assert line in capsys.readouterr().out.splitlines()
+    out = tmp_path / "resumed"
+    assert run_main(["--config", str(old / "config.yaml"), "--resume", str(old), f"train.output_dir={out}",
+                     "train.max_steps=3"]) == 0
+    log = capsys.readouterr().out
+    assert line in log.splitlines() and f"at step 2, parameters {GOLDEN_DIGESTS[1]}" in log
+    assert (out / "checkpoints" / "step_0000003" / "ema.pt").is_file()

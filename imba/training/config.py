@@ -27,6 +27,7 @@ from data.balance import BALANCE_METHODS
 from data.sources import SourceConfig, check_source_configs
 from imba.loss import DISTANCES, NORMALIZATIONS, REFERENCES, IMBALoss, LossSettingError
 from imba.objectives import OBJECTIVES, DDPMEpsilon
+from imba.training.migrate import migrate_config
 from imba.training_loss import ESTIMATORS, LOSS_KINDS
 from models.dit import ATTENTION_BACKENDS, PRESETS
 from models.encoders import DTYPES
@@ -371,7 +372,7 @@ def load_config(argv: list[str]) -> Config:
         loaded = _read_yaml(config_file) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {config_file!r} must hold a mapping of sections")
-        _apply(cfg, loaded)
+        _apply(cfg, migrate_config(loaded, config_file))  # keys earlier versions named
     for item in overrides:
         _apply(cfg, _parse_override(item))
     if resume is not None:
@@ -494,9 +495,6 @@ def _validate(cfg: Config) -> None:
     if d.weighted() and d.mode == "streaming":
         raise ConfigError("data.sources and data.balance need indexed reading (local shards): the streaming reader "
                           "cannot draw by weight and resume exactly; set data.mode=auto or indexed")
-    if d.weighted() and d.bucketing:
-        raise ConfigError("data.bucketing=true cannot be combined with data.sources or data.balance yet (the "
-                          "aspect-ratio sampler draws each bucket uniformly); use one of them")
     try:  # the loss checks its own settings; here they are reported under their config keys
         IMBALoss(gamma=cfg.loss.gamma, lam=cfg.loss.lam, distance=cfg.loss.distance, reference=cfg.loss.reference,
                  normalize=cfg.loss.normalize)

@@ -6,7 +6,8 @@ Works for checkpoints of every mode (single process, DDP, ZeRO-1/2/3: the EMA is
 folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` (`PixArtSigmaPipeline` for a PixArt-Σ run, see
 `build.pipeline_kind`) and no code from this project. The checkpoint is
 verified against its manifest first (`checkpoints.require_intact`): a damaged one is a one-line error, never an
-export of corrupted weights. Checkpoints of every format are read (`checkpoints.checkpoint_format`).
+export of corrupted weights. Checkpoints of every format are read (`checkpoints.checkpoint_format`), and config keys
+that a later version renamed or dropped migrate in one line (`imba.training.migrate`).
 """
 
 from __future__ import annotations

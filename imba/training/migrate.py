@@ -1,0 +1,90 @@
+"""Config files written by earlier versions of the code: keys this version renamed or dropped.
+
+A checkpoint's `config.yaml` (and the run's) holds every config key of the version that wrote it. When a later
+version renames or drops a key, `load_config` would refuse that file as naming an unknown key, so the checkpoint
+could no longer be exported, nor the run resumed with its own config. Instead each config file is migrated when it is
+read: the keys below are moved or removed, and one line says so, e.g.
+
+    config of outputs/tiny/config.yaml: data.foo renamed to data.bar; loss.old dropped (no longer used)
+
+To rename or drop a key, add it here in the same change (dotted keys, `section.key`). A name in these tables must
+never become a key again: a file naming it is taken to be older than the change.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+RENAMED: dict[str, str] = {}  # old dotted key → its new dotted key (the value is kept as written)
+DROPPED: dict[str, str] = {}  # dotted key → why it went, e.g. "no longer used"
+
+
+def _split(key: str) -> list[str]:
+    return key.split(".")
+
+
+def _pop(tree: dict, key: str):
+    """(True, value) after removing `key` from the nested dicts `tree`, or (False, None) if it is not there."""
+    *sections, name = _split(key)
+    for section in sections:
+        tree = tree.get(section)
+        if not isinstance(tree, dict):
+            return False, None
+    if name not in tree:
+        return False, None
+    return True, tree.pop(name)
+
+
+def _has(tree: dict, key: str) -> bool:
+    *sections, name = _split(key)
+    for section in sections:
+        tree = tree.get(section)
+        if not isinstance(tree, dict):
+            return False
+    return name in tree
+
+
+def _put(tree: dict, key: str, value) -> None:
+    *sections, name = _split(key)
+    for section in sections:
+        tree = tree.setdefault(section, {})
+    tree[name] = value
+
+
+def _copy(tree):
+    return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def migrate_config(loaded: dict, source: str, renamed: dict[str, str] | None = None,
+                   dropped: dict[str, str] | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """`loaded` (a config file's mapping of sections) with the keys of `renamed`/`dropped` (default: this version's
+    tables) moved or removed, as a new mapping; when anything changed, one line naming `source` says what. A renamed
+    key whose new name the file also sets is dropped: the new one is the one this version reads."""
+    renamed = RENAMED if renamed is None else renamed
+    dropped = DROPPED if dropped is None else dropped
+    if not isinstance(loaded, dict):
+        return loaded
+    migrated, changes = _copy(loaded), []
+    for old, new in renamed.items():
+        present, value = _pop(migrated, old)
+        if not present:
+            continue
+        if _has(migrated, new):
+            changes.append(f"{old} dropped ({new}, its new name, is set too)")
+        else:
+            _put(migrated, new, value)
+            changes.append(f"{old} renamed to {new}")
+    for key, why in dropped.items():
+        present, _ = _pop(migrated, key)
+        if present:
+            changes.append(f"{key} dropped ({why})")
+    if changes:
+        (log or _print_once)(f"config of {source}: {'; '.join(changes)}")
+    return migrated
+
+
+def _print_once(line: str) -> None:
+    """Print on the first process only: every process of a launch reads the config before any knows its rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line)
