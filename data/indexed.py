@@ -38,7 +38,7 @@ from .index import ShardIndex, load_or_build_index, parse_sample
 from .order import BucketBatchSampler, IndexedBatchSampler
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples, ReaderStats, counts_since, too_small_advice
 from .streaming import check_loader_args
-from .weighted import StreamBatchSampler
+from .weighted import StreamBatchSampler, WeightedBucketSampler
 
 __all__ = ["IndexedShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "check_stream",
            "make_indexed_loader"]
@@ -279,7 +279,8 @@ def make_indexed_loader(
     urls: str | Sequence[str], resolution: int, batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
     world_size: int = 1, batches_done: int = 0, caption_field: str = "caption",
     index_dir: str | os.PathLike | None = None, shard_window: int = 0, min_size: int = 0, bucketing: bool = False,
-    bucket_divisor: int = 16, max_aspect_ratio: float = 4.0, sampler: StreamBatchSampler | None = None,
+    bucket_divisor: int = 16, max_aspect_ratio: float = 4.0,
+    sampler: StreamBatchSampler | WeightedBucketSampler | None = None,
 ) -> IndexedLoader:
     """Infinite, exactly resumable loader over local tar shards; same batches as `make_image_text_loader`.
 
@@ -293,12 +294,14 @@ def make_indexed_loader(
     one bucket, pixels (B, 3, h, w) cover-resized and centre-cropped to it (`BucketBatchSampler` for the order;
     `loader.buckets` is the table). Not combined with `shard_window`.
 
-    `sampler`: draw the batches from this weighted stream (`data.weighted`, made for these shards) instead of the
-    uniform order; `batches_done`, `seed` and `shard_window` are then the sampler's business.
+    `sampler`: draw the batches from this weighted stream (`data.weighted`, made for these shards; with
+    `bucketing`, a `WeightedBucketSampler` over `loader.buckets`' table) instead of the uniform order; `batches_done`,
+    `seed` and `shard_window` are then the sampler's business.
     """
     check_loader_args(resolution, batch_size, num_workers, min_size)
-    if sampler is not None and bucketing:
-        raise ValueError("aspect-ratio buckets cannot be drawn from a weighted stream yet: use one or the other")
+    if sampler is not None and bucketing != isinstance(sampler, WeightedBucketSampler):
+        raise ValueError("a weighted stream with aspect-ratio buckets needs bucketing=True and a "
+                         "WeightedBucketSampler, without them a StreamBatchSampler")
     if bucketing and shard_window:
         raise ValueError("aspect-ratio bucketing reads samples in a uniform order: set shard_window=0")
     buckets = bucket_sizes(resolution, bucket_divisor, max_aspect_ratio) if bucketing else None  # checks first
@@ -309,7 +312,7 @@ def make_indexed_loader(
         if 0 < largest < min_size:
             raise ValueError(f"data.min_size={min_size}: no image in {dataset.stats.where} is that large (the "
                              f"largest shorter side is {largest} px); lower data.min_size")
-    if buckets is not None:
+    if buckets is not None and sampler is None:
         sizes = dataset.index.sizes
         sampler = BucketBatchSampler(assign_buckets(sizes[:, 0], sizes[:, 1], buckets), buckets, batch_size,
                                      seed=seed, rank=rank, world_size=world_size, start_batch=batches_done)
@@ -324,11 +327,14 @@ def make_indexed_loader(
         sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
     else:
         check_stream(sampler, len(dataset), batch_size)
+        if buckets is not None and sampler.buckets != buckets:
+            raise ValueError("the weighted bucket sampler was made for another bucket table than the loader's")
     return IndexedLoader(dataset, sampler, num_workers=num_workers)
 
 
-def check_stream(sampler: StreamBatchSampler, num_samples: int, batch_size: int) -> None:
+def check_stream(sampler: StreamBatchSampler | WeightedBucketSampler, num_samples: int, batch_size: int) -> None:
     """ValueError unless the weighted stream was made for `num_samples` samples and batches of `batch_size`."""
-    if sampler.order.num_samples != num_samples or sampler.batch_size != batch_size:
-        raise ValueError(f"the weighted stream draws batches of {sampler.batch_size} from {sampler.order.num_samples} "
-                         f"samples, the loader reads batches of {batch_size} from {num_samples}")
+    made_for = sampler.num_samples
+    if made_for != num_samples or sampler.batch_size != batch_size:
+        raise ValueError(f"the weighted stream draws batches of {sampler.batch_size} from {made_for} samples, the "
+                         f"loader reads batches of {batch_size} from {num_samples}")

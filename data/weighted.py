@@ -25,6 +25,10 @@ checkpoint) continues the same stream on any W: resuming 2 processes' checkpoint
 uninterrupted 2-process run would have drawn, concatenated. Batch t costs O(B log N) (a binary search per draw);
 an epoch's first batch also builds that epoch's cumulative sums, O(N) time and 8 bytes per sample (kept for two
 epochs, since a batch may straddle them).
+
+Aspect-ratio buckets (`WeightedBucketSampler`): each bucket draws its share of the epoch from its own weighted
+order, and single-bucket batches of all buckets are shuffled together, as `data.order.BucketBatchSampler` does
+for the uniform order; a bucket whose share of an epoch is less than one batch is not drawn.
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .order import feistel_permute
+from .order import BucketBatch, feistel_permute
 from .seeds import derive_seed
 
-__all__ = ["UNIT", "expected_draws_to_units", "WeightedOrder", "StreamBatchSampler"]
+__all__ = ["UNIT", "expected_draws_to_units", "WeightedOrder", "StreamBatchSampler", "WeightedBucketSampler"]
 
 UNIT = 1 << 20  # units per expected draw: weights are exact to ~1e-6 of a draw
 
@@ -146,6 +150,7 @@ class StreamBatchSampler:
         self.rank = rank
         self.world_size = world_size
         self.samples_done = samples_done
+        self.num_samples = order.num_samples
         self.seed = order.seed
         self.start_batch = 0  # batches are counted from samples_done
         # per rank; an epoch is not cut to whole batches, so this is the average, rounded down
@@ -157,6 +162,78 @@ class StreamBatchSampler:
         return self.order.samples(np.arange(first, first + self.batch_size)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
+        t = 0
+        while True:
+            yield self.batch_indices(t)
+            t += 1
+
+
+class WeightedBucketSampler:
+    """Infinite stream of this rank's single-bucket batches (`data.order.BucketBatch`) drawn by weight: aspect-ratio
+    buckets (`data.buckets`) over the same plan as `StreamBatchSampler`.
+
+    Bucket b gets S_b of the epoch's S draws, in proportion to its samples' units (largest remainders), and draws
+    them by its own `WeightedOrder` (its samples' units rescaled to S_b). Per epoch each bucket's draws are cut into
+    S_b // batch_size batches (the rest of that epoch's order is dropped, a different part each epoch); the batches
+    of all buckets are permuted together (keyed by seed and epoch) into the epoch's global batches. Global batch g
+    of the stream is rank (g % world_size)'s batch g // world_size; a sampler started at `samples_done` (a multiple
+    of batch_size: what all ranks consumed) continues the same global batches on any process count.
+    """
+
+    def __init__(self, units: np.ndarray | Sequence[int], samples_per_epoch: int, bucket_ids: np.ndarray,
+                 buckets: Sequence[tuple[int, int]], batch_size: int, *, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, samples_done: int = 0):
+        if batch_size < 1 or world_size < 1 or samples_done < 0 or samples_done % batch_size:
+            raise ValueError(f"need batch_size >= 1, world_size >= 1 and samples_done a multiple of the batch size "
+                             f"(got {batch_size}, {world_size}, {samples_done})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        units = np.asarray(units, dtype=np.int64)
+        ids = np.asarray(bucket_ids, dtype=np.int64).reshape(-1)
+        if ids.shape != units.shape:
+            raise ValueError(f"{ids.size} bucket ids for {units.size} samples")
+        self.buckets = [(int(h), int(w)) for h, w in buckets]
+        self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
+        self.samples_done, self.start_batch, self.num_samples = samples_done, 0, int(units.size)
+        totals = np.bincount(ids, weights=units, minlength=len(self.buckets))  # float: exact below 2**53 units
+        share = totals / totals.sum() * samples_per_epoch
+        draws = np.floor(share).astype(np.int64)
+        draws[np.argsort(-(share - draws), kind="stable")[: samples_per_epoch - int(draws.sum())]] += 1
+        self.members, self.orders = [], []
+        for b in range(len(self.buckets)):
+            members = np.flatnonzero(ids == b)
+            self.members.append(members)
+            self.orders.append(WeightedOrder(expected_draws_to_units(units[members], int(draws[b])), int(draws[b]),
+                                             seed=derive_seed("bucket-order", seed, b))
+                               if draws[b] >= batch_size else None)
+        self.bucket_batches = np.asarray([d // batch_size if o is not None else 0
+                                          for d, o in zip(draws, self.orders)], np.int64)
+        self.batch_starts = np.concatenate([[0], np.cumsum(self.bucket_batches)])
+        self.total_batches = int(self.batch_starts[-1])
+        if self.total_batches < 1:
+            raise ValueError(f"no aspect-ratio bucket gets a full batch of {batch_size} of the epoch's "
+                             f"{samples_per_epoch} draws; use a smaller batch or a longer epoch (data.epoch_samples)")
+        self.draws_per_bucket = draws
+        self.batches_per_epoch = max(1, self.total_batches // world_size)
+
+    def describe(self) -> str:
+        """The buckets that draw batches, as `HxW: draws per epoch`."""
+        return ", ".join(f"{h}x{w}: {int(d)}" for (h, w), d, n in zip(self.buckets, self.draws_per_bucket,
+                                                                        self.bucket_batches) if n) or "none"
+
+    def batch_indices(self, t: int) -> BucketBatch:
+        """This rank's batch t (counted from `samples_done`): sample indices and the bucket's (height, width)."""
+        g = self.samples_done // self.batch_size + t * self.world_size + self.rank
+        epoch, k = divmod(g, self.total_batches)
+        slot = int(feistel_permute([k], self.total_batches, "weighted-bucket-batches", self.seed, epoch)[0])
+        b = int(np.searchsorted(self.batch_starts, slot, side="right")) - 1
+        j = slot - int(self.batch_starts[b])
+        order = self.orders[b]
+        first = epoch * order.samples_per_epoch + j * self.batch_size
+        local = order.samples(np.arange(first, first + self.batch_size))
+        return BucketBatch(self.members[b][local].tolist(), self.buckets[b])
+
+    def __iter__(self) -> Iterator[BucketBatch]:
         t = 0
         while True:
             yield self.batch_indices(t)

@@ -310,3 +310,31 @@ def test_predict_on_a_non_square_bucket_with_size_conditioning():
         # the project's presets (no size conditioning) also take non-square latents
         plain = build_transformer("tiny", sample_size=8, caption_channels=24).eval()
         assert predict(plain, noisy, t, text, mask).shape == noisy.shape
+
+
+def test_a_weighted_stream_composes_with_buckets_on_any_process_count(shards, tmp_path):
+    from accelerate import Accelerator
+
+    from imba.training.inputs import make_loader, training_sources
+
+    folder, _, _, bucket_of, _ = shards
+    cfg = load_config([f"data.resolution={RES}", f"data.batch_size={BATCH}", "data.bucketing=true",
+                       "data.precompute=false", f"train.output_dir={tmp_path}", "data.epoch_samples=45",
+                       f"data.sources=[{{shards: {folder}, repeat: 1}}]"])
+    sources = training_sources(cfg, Accelerator(cpu=True), tmp_path)
+
+    def batches(step, saved, rank, world, n):
+        accelerator = Accelerator(cpu=True)
+        accelerator.state.process_index, accelerator.state.num_processes = rank, world
+        try:
+            loader = make_loader(cfg, accelerator, sources, step, saved, None, bucket_divisor=16)
+            return [(b["keys"], tuple(b["pixels"].shape[2:])) for b in itertools.islice(loader, n)]
+        finally:
+            accelerator.state.process_index, accelerator.state.num_processes = 0, 1
+
+    one = batches(0, 1, 0, 1, 30)  # two epochs of 45 draws: single-bucket batches of the bucket's shape
+    assert all({bucket_of[k] for k in keys} == {size} for keys, size in one)
+    assert {size for _, size in one} == set(TABLE)
+    two = [batches(0, 2, r, 2, 5) for r in range(2)]
+    assert [two[r][t] for t in range(5) for r in range(2)] == one[:10]
+    assert batches(3, 2, 0, 1, 4) == one[6:10]  # 3 steps of 2 processes, continued by one

@@ -195,6 +195,9 @@ def test_the_run_loader_draws_the_plan_and_continues_on_another_process_count(tw
     # 1 -> 2: after 4 steps of 1 process (16 samples) rank 0 and 1 continue with the 17th
     assert loader_keys(cfg, sources, 4, 1, 0, 2, 2)[:4] == one[16:20]
     assert loader_keys(cfg, sources, 4, 1, 1, 2, 2)[:4] == one[20:24]
+    # gradient accumulation: 2 optimizer steps of 2 micro-batches consumed 16 samples
+    cfg.train.grad_accum = 2
+    assert loader_keys(cfg, sources, 2, 1, 0, 1, 2) == one[16:24]
 
 
 def index_key(index, i):
@@ -220,7 +223,6 @@ def index_key(index, i):
     (["data.balance=inverse"], "must be one of none, temperature, cap"),
     (["data.balance=temperature", "data.balance_alpha=-1"], "'data.balance_alpha' must be >= 0"),
     (["data.balance=temperature", "data.mode=streaming"], "need indexed reading"),
-    (["data.sources=[{shards: a}]", "data.bucketing=true"], "cannot be combined with data.sources or data.balance"),
 ])
 def test_bad_source_and_balance_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError) as err:

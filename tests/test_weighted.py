@@ -4,7 +4,7 @@ process count, and exact continuation from a sample count."""
 import numpy as np
 import pytest
 
-from data.weighted import UNIT, StreamBatchSampler, WeightedOrder, expected_draws_to_units
+from data.weighted import UNIT, StreamBatchSampler, WeightedBucketSampler, WeightedOrder, expected_draws_to_units
 
 
 def order_for(expected, samples_per_epoch, seed=0):
@@ -99,3 +99,45 @@ def test_bad_orders_and_samplers_are_refused():
         StreamBatchSampler(order, 1, rank=2, world_size=2)
     with pytest.raises(ValueError):
         StreamBatchSampler(order, 0)
+
+
+def bucket_sampler(world=1, rank=0, done=0, batch=3, seed=0):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 3, 90)  # three buckets of about 30 samples
+    units = expected_draws_to_units(rng.pareto(1.5, 90) + 0.1, 120)
+    return WeightedBucketSampler(units, 120, ids, [(8, 32), (16, 16), (32, 8)], batch, seed=seed, rank=rank,
+                                 world_size=world, samples_done=done), ids, units
+
+
+def test_weighted_buckets_draw_each_buckets_share_in_single_bucket_batches():
+    sampler, ids, units = bucket_sampler()
+    share = np.bincount(ids, weights=units, minlength=3) / units.sum() * 120
+    assert np.all(np.abs(sampler.draws_per_bucket - share) < 1) and sampler.draws_per_bucket.sum() == 120
+    per_epoch = sampler.total_batches
+    assert per_epoch == sum(d // 3 for d in sampler.draws_per_bucket)
+    seen = np.zeros(90)
+    for t in range(per_epoch * 50):
+        batch = sampler.batch_indices(t)
+        assert len(batch) == 3 and len(set(ids[batch])) == 1  # one bucket
+        assert batch.size == [(8, 32), (16, 16), (32, 8)][ids[batch[0]]]
+        np.add.at(seen, batch, 1)
+    # within a bucket, the draws follow the units (the remainder of each bucket's epoch is dropped)
+    for b in range(3):
+        members = ids == b
+        expected = units[members] / units[members].sum() * 50 * (sampler.bucket_batches[b] * 3)
+        # per epoch a sample's draws vary by its rounding (variance <= 1/4) and by how many of them fall in the
+        # bucket's dropped remainder (at most `dropped` draws): 5 standard deviations over 50 epochs
+        dropped = sampler.draws_per_bucket[b] % 3
+        assert np.abs(seen[members] - expected).max() <= 5 * np.sqrt(50 * (0.25 + dropped))
+
+
+@pytest.mark.parametrize("saved,now", [(1, 2), (2, 1), (2, 3)])
+def test_weighted_buckets_are_one_global_stream_on_any_process_count(saved, now):
+    single, _, _ = bucket_sampler()
+    stream = [single.batch_indices(g) for g in range(60)]
+    done = 4 * saved * 3  # 4 steps of `saved` processes
+    ranks = [bucket_sampler(world=now, rank=r, done=done)[0] for r in range(now)]
+    got = [ranks[r].batch_indices(t) for t in range(10) for r in range(now)]
+    assert got == stream[4 * saved:4 * saved + 10 * now]
+    with pytest.raises(ValueError, match="multiple of the batch size"):
+        bucket_sampler(done=4)

@@ -495,9 +495,6 @@ def _validate(cfg: Config) -> None:
     if d.weighted() and d.mode == "streaming":
         raise ConfigError("data.sources and data.balance need indexed reading (local shards): the streaming reader "
                           "cannot draw by weight and resume exactly; set data.mode=auto or indexed")
-    if d.weighted() and d.bucketing:
-        raise ConfigError("data.bucketing=true cannot be combined with data.sources or data.balance yet (the "
-                          "aspect-ratio sampler draws each bucket uniformly); use one of them")
     try:  # the loss checks its own settings; here they are reported under their config keys
         IMBALoss(gamma=cfg.loss.gamma, lam=cfg.loss.lam, distance=cfg.loss.distance, reference=cfg.loss.reference,
                  normalize=cfg.loss.normalize)

@@ -15,7 +15,8 @@ from data.balance import BalanceSettings
 from data.concepts import CaptionBucketer, collect_stats, extractor_from_stats, write_stats
 from data.draw_plan import DrawPlan, describe_plan, load_plan, plan_draws, plot_plan
 from data.files import read_json_object, write_json
-from data.index import load_or_build_index
+from data.buckets import assign_buckets, bucket_sizes
+from data.index import ShardIndex, load_or_build_index
 from data.loaders import build_loader
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import MANIFEST_NAME, find_manifest
@@ -23,7 +24,7 @@ from data.skips import NoUsableSamples, too_small_advice
 from data.urls import expand_urls, is_remote
 from data.sources import Source, SourceMix, check_same_kind, resolve_sources
 from data.synthetic import write_synthetic_shards
-from data.weighted import StreamBatchSampler, WeightedOrder
+from data.weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
 from imba.training.config import Config, ConfigError
 from imba.training.resume import batches_done
 
@@ -128,9 +129,10 @@ def precompute_sources(cfg: Config, accelerator: Accelerator, out: Path, sources
                    s.share, s.repeat) for s in sources]
 
 
-def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> DrawPlan:
-    """The run's draw plan (data.sources shares, data.balance weights): computed by the main process into
-    <train.output_dir>/data/ (reused while its fingerprint holds), described and plotted there, read by the others."""
+def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> tuple[DrawPlan, ShardIndex]:
+    """The run's draw plan (data.sources shares, data.balance weights) and the index it is made for: computed by the
+    main process into <train.output_dir>/data/ (reused while its fingerprint holds), described and plotted there,
+    read by the others."""
     d, folder = cfg.data, Path(cfg.train.output_dir) / PLAN_DIR
     shards = all_shards(sources)
     with accelerator.main_process_first():
@@ -151,7 +153,7 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> D
         drawn = plot_plan(plan, folder / "draws.png")
         print(f"data: the draw plan is in {folder}/" + (f" (concepts drawn vs natural: {drawn})" if drawn else ""))
     accelerator.wait_for_everyone()
-    return plan or load_plan(folder)
+    return plan or load_plan(folder), index
 
 
 def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], step: int, saved_world_size: int,
@@ -163,11 +165,18 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], st
     consumed = batches_done(step, cfg.train.grad_accum, saved_world_size, world)
     sampler = None
     if d.weighted():
-        plan = draw_plan(cfg, accelerator, sources)
+        plan, index = draw_plan(cfg, accelerator, sources)
         samples_done = step * cfg.train.grad_accum * saved_world_size * d.batch_size
-        sampler = StreamBatchSampler(WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed),
-                                     d.batch_size, rank=accelerator.process_index, world_size=world,
-                                     samples_done=samples_done)
+        where = dict(rank=accelerator.process_index, world_size=world, samples_done=samples_done)
+        if d.bucketing:  # the bucket of each image from the sizes in the index; the plan's draws within each bucket
+            buckets = bucket_sizes(d.resolution, bucket_divisor)
+            sampler = WeightedBucketSampler(plan.units, plan.samples_per_epoch,
+                                            assign_buckets(index.sizes[:, 0], index.sizes[:, 1], buckets), buckets,
+                                            d.batch_size, seed=cfg.train.seed, **where)
+            accelerator.print(f"data: aspect-ratio buckets, draws per epoch: {sampler.describe()}")
+        else:
+            sampler = StreamBatchSampler(WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed),
+                                         d.batch_size, **where)
         if step:
             accelerator.print(f"data: the stream continues after {samples_done:,} samples "
                               f"(epoch {samples_done / plan.samples_per_epoch:.2f})")
