@@ -101,4 +101,5 @@ def test_diverged_message_names_the_step_the_reason_and_where_to_resume():
     line = diverged_message("3 consecutive steps", 42, "out/checkpoints/step_0000040")
     assert "step 42" in line and "3 consecutive steps" in line and "out/checkpoints/step_0000040" in line
     assert "\n" not in line
-    assert "no checkpoint was saved before it" in diverged_message("weights not finite", 7, None)
+    line = diverged_message("weights not finite", 7, None)
+    assert "weights not finite; nothing was saved" in line and "; no checkpoint was saved before it (resume" in line
