@@ -1,30 +1,38 @@
-"""Synthetic composition benchmark: does IMBA close the gap that data imbalance opens? (paper Tab. 1/3)
+"""Synthetic composition benchmark: does a loss or a stream close the gap that data imbalance opens? (paper Tab. 1/3)
 
-    python bench/composition.py                 # control, plain and three IMBA forms × 3 seeds (54 min, 2 cores)
+    python bench/composition.py                 # both worlds, 5 seeds, fixed scenes (see bench/README.md for time)
+    python bench/composition.py --quick         # 1 seed, both worlds, the three streams and the efficient IMBA form
+    python bench/composition.py --variants plain plain_balanced importance importance_joint inverse_freq \
+        --out bench/composition_reweight       # the re-weighting baselines
     python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
-    python bench/composition.py --quick         # 1 seed, plain / plain_balanced / the best IMBA form, 1,000 steps
-    python bench/composition.py --variants plain plain_balanced imba_cond --seeds 0 1 --steps 600
 
-World (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour> <shape> and a <colour> <shape>",
-8 colours × 5 shapes, each Zipf(2)-distributed, built from a pool of single-object tiles in which head pairs have
-thousands of tiles and tail pairs 8; 6 pairs are held out of training. An oracle CNN reads each half of a generated
-scene (its accuracy is reported).
+Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour> <shape> and a <colour> <shape>",
+8 colours × 5 shapes. "concept_tail": colours and shapes each Zipf(2), so rare pairs are pairs of rare words;
+"pair_tail": single concepts about equally frequent, their combinations long-tailed (rare pairs of common words).
+Which colour and shape take which frequency rank, and so which pairs are held out, is drawn from the seed. A pool
+of single-object tiles per seed holds the pairs in proportion (head pairs hundreds to thousands of tiles, the
+rarest 8); 6 pairs are held out of training. An oracle CNN reads each half of a generated scene; a second oracle,
+trained from another seed, reads the same scenes (the judge's own uncertainty).
 
-The control comes first: `plain_balanced` trains the plain loss on a pair-balanced stream of the same tiles (every
-seen pair equally often). The gap between it and `plain` is what a balancing method can close; every other form is
-reported as the fraction of that gap it closes, at equal steps and at equal compute.
+Scenes: "fixed" (default) composes each seed's scenes once (every tile in two scenes, once per side) and a stream
+draws among them, as a sampler of a real data set can only draw among its images; "online" composes each scene at
+batch time from two drawn tiles (the first recordings' mode). Streams: long-tailed (uniform), pair-balanced (every
+seen pair equally often, the control a balancing method is measured against) and concept-balanced (colour and shape
+marginals uniform); balanced streams draw per object (a pair, then a slot showing it). The gap between
+`plain_balanced` and `plain` is what a balancing method can close; every other form is reported as the fraction of
+that gap it closes (bootstrap interval over seeds and pairs), at equal steps and at equal compute.
 
-Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same tile
-pool, initial weights and optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1, diffusers EMA
-0.999 with its default warm-up); the variants differ in their loss, objective or stream (VARIANTS).
+Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
+tile and scene pool, initial weights, optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1,
+diffusers EMA 0.999 with its default warm-up, so 0.9955 at 2,000 steps) and noise: which tiles a stream selects
+comes from a generator of its own, so every stream's noise stays paired with plain's. Compute is counted per run:
+every forward row with gradient costs 3 units, every row of a no-grad pass 1, and a plain step of B rows 3B.
 
-Evaluation after each length: for each of the 40 pairs, N two-object prompts with the pair on one side and a head
-pair on the other; N samples from the EMA weights (DPM-Solver++ 10 steps, classifier-free guidance 3). A prompt
-succeeds when the oracle reads both objects right. The oracle is shipped (`bench/composition_oracle.pt`, its accuracy
-beside it in `composition_oracle.json`), so every run is judged by the same weights; `--train-oracle` trains one
-anew. Reported per bucket of the probed pair (head / torso / tail by
-training frequency, held-out): mean over seeds with a 95 % t interval, and the failure kinds. Logged during
-training: the IMBA distance per bucket (the paper's Fig. 6 monitor), from the tokens of each object's half.
+Evaluation at every length a run is evaluated at: for each of the 40 pairs, N two-object prompts with the pair on one
+side and a head pair on the other; N samples from the EMA weights (DPM-Solver++ 10 steps, classifier-free guidance
+3). A prompt succeeds when the oracle reads both objects right; the probed half alone is reported beside it (a
+prompt also fails when its partner fails). Reported per world and per bucket of the probed pair (head / torso /
+tail by training frequency, held-out), per concept and per pair against its exposure (objects trained on).
 """
 
 from __future__ import annotations
@@ -47,21 +55,25 @@ for path in (str(REPO), str(REPO / "bench")):
 
 import torch  # noqa: E402
 
-from composition_scenes import (BUCKETS, COLOURS, FAILURES, SHAPES, TILE, Oracle, PairWorld,  # noqa: E402
-                                TilePool, WordEncoder, bucket_success, judge, pair_name, probe_prompts, train_oracle)
+from composition_scenes import (BUCKETS, COLOURS, FAILURES, SHAPES, TILE, WORLDS, Oracle, PairWorld,  # noqa: E402
+                                ScenePool, TilePool, WordEncoder, bucket_success, judge, oracle_per_class,
+                                pair_name, probe_prompts, train_oracle)
 
-# kind / reference / normalize / estimator: imba.training_loss.TrainingLoss; balanced: the pair-balanced stream;
-# reweight: plain MSE weighted per scene by the mean of its two objects' weights, either the inverse frequency of
-# their concepts (offline re-weighting as a user would do it) or the exact importance ratio of the balanced stream,
-# p_balanced(pair) / p_pool(pair) (the best any per-sample re-weighting of this stream can do in expectation);
-# objective: flow or ddpm (ε); hues / bursty / jitter: the data levers of composition_scenes (colour diversity:
-# HUES-coloured tiles, half as many as the pool's; burstiness: the share of scenes whose second object takes the
-# first one's colour; latent intervention: the largest hue rotation of a training tile, in turns)
+# kind / reference / normalize / estimator: imba.training_loss.TrainingLoss; stream: which objects are drawn
+# (composition_scenes.STREAMS); reweight: plain MSE weighted per object half, each half's tokens by its own object's
+# weight: the inverse frequency of its concepts (offline re-weighting as a user would do it) or the importance ratio
+# p_balanced(pair) / p_pool(pair) of the pair-balanced stream ("importance"); "importance_joint" weighs both halves
+# by the product of the two ratios, the exact ratio of the whole scene; objective: flow or ddpm (ε); hues / bursty /
+# jitter: the data levers of composition_scenes (colour diversity: HUES-coloured tiles, half as many as the pool's;
+# burstiness: the share of scenes whose second object takes the first one's colour; latent intervention: the
+# largest hue rotation of a training tile, in turns)
 VARIANTS = {
     "plain": dict(kind="plain"),
-    "plain_balanced": dict(kind="plain", balanced=True),
+    "plain_balanced": dict(kind="plain", stream="pair_balanced"),
+    "plain_concept_balanced": dict(kind="plain", stream="concept_balanced"),
     "inverse_freq": dict(kind="plain", reweight="inverse_freq"),
     "importance": dict(kind="plain", reweight="importance"),
+    "importance_joint": dict(kind="plain", reweight="importance_joint"),
     "imba_target": dict(kind="imba", reference="target"),
     "imba_sample": dict(kind="imba_sample", reference="target"),
     "imba_target_tnorm": dict(kind="imba", reference="target", normalize="timestep_mean"),
@@ -74,7 +86,7 @@ VARIANTS = {
     "imba_cond_tnorm_efficient": dict(kind="imba", reference="cond", normalize="timestep_mean",
                                       estimator="efficient"),
     "plain_eps": dict(kind="plain", objective="ddpm"),
-    "plain_balanced_eps": dict(kind="plain", balanced=True, objective="ddpm"),
+    "plain_balanced_eps": dict(kind="plain", stream="pair_balanced", objective="ddpm"),
     "imba_target_eps": dict(kind="imba", reference="target", objective="ddpm"),
     "imba_target_tnorm_eps": dict(kind="imba", reference="target", normalize="timestep_mean", objective="ddpm"),
     "imba_cond_tnorm_eps": dict(kind="imba", reference="cond", normalize="timestep_mean", objective="ddpm"),
@@ -82,16 +94,20 @@ VARIANTS = {
     "plain_bursty": dict(kind="plain", bursty=0.5),
     "plain_jitter": dict(kind="plain", jitter=0.05),
 }
-# the default takes 54 min on 2 cores (measured from nothing, bench/README.md); `--variants all` runs every
-# form (hours)
-DEFAULT_VARIANTS = ["plain", "plain_balanced", "imba_target", "imba_target_tnorm", "imba_target_tnorm_efficient"]
-QUICK_VARIANTS = ["plain", "plain_balanced", "imba_target_tnorm"]  # the control, and the best IMBA form measured
-# the data-levers experiment (`--levers`): the controls, the IMBA form to compare at equal compute, the three levers
+# the default: the three streams and the IMBA form measured best at equal compute so far, in both worlds, 5 seeds
+DEFAULT_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient"]
+DEFAULT_SEEDS = [0, 1, 2, 3, 4]
+DEFAULT_STEPS = [1000, 1500]  # equal-step lengths; the plain-cost streams also run on to 1.3× the longest
+# samples per pair in the default: 12 instead of the first recordings' 16 keeps two worlds × 5 seeds in the time bound
+DEFAULT_PER_PAIR = 12
+QUICK_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient"]
+QUICK_STEPS = [400]
+# the data-levers experiment (`--levers`, online scenes, concept_tail world): the controls, the IMBA form to
+# compare at equal compute, the three levers
 LEVER_VARIANTS = ["plain", "plain_balanced", "imba_target_tnorm_efficient", "plain_hues", "plain_bursty",
                   "plain_jitter"]
 LEVERS = ("hues", "bursty", "jitter")
-# plain, its balanced control and the data levers also train on to the lengths that give them the compute of each
-# IMBA variant in the benchmark (1.3× and 2× each length): the equal-compute references
+# the long-tailed plain run and its pair-balanced control per objective: the balance gap is their difference
 CONTROLS = {"flow": ("plain", "plain_balanced"), "ddpm": ("plain_eps", "plain_balanced_eps")}
 PATCH = 4
 MONITOR_EVERY = 50  # steps per point of the distance-per-bucket curve
@@ -99,7 +115,12 @@ MONITOR_EVERY = 50  # steps per point of the distance-per-bucket curve
 # at most 2.0 points on six saved models (bench/README.md, "Time."), at half the cost
 SAMPLING_STEPS = 10
 ORACLE = REPO / "bench" / "composition_oracle.pt"  # the judge's weights; its report: the same name with .json
+ORACLE_B = REPO / "bench" / "composition_oracle_b.pt"  # a second judge (train_oracle(seed=1)): its reading beside
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# what a run's success is read from: the whole prompt or the probed half alone, by the oracle or the second one
+METRICS = ("per_pair", "per_pair_half", "per_pair_b", "per_pair_half_b")
+PROTOCOL = 2  # part of a run's settings: runs recorded before per-seed worlds and counted compute are not reused
+BOOTSTRAP = 2000
 
 
 def objective_of(variant: str) -> str:
@@ -107,8 +128,9 @@ def objective_of(variant: str) -> str:
 
 
 def relative_cost(variant: str) -> float:
-    """Step cost relative to plain in FLOPs: literal IMBA runs 2B rows; efficient B + (1 − λ)·0 + λ·B without
-    backward ≈ 1.3 B (bench/step_time_results.md measures 1.3×)."""
+    """Nominal step cost relative to plain, from the passes it runs (a forward row with gradient = 3 units, without
+    = 1; plain = 3B): literal IMBA 2B rows with gradient = 2.0; efficient B with gradient + λ·B without = 1.3.
+    It places the controls' evaluation lengths; the comparisons use each run's counted compute."""
     spec = VARIANTS[variant]
     if spec["kind"] == "plain":
         return 1.0
@@ -123,19 +145,25 @@ def is_lever(variant: str) -> bool:
     return any(VARIANTS[variant].get(lever) for lever in LEVERS)
 
 
+def is_stream_control(variant: str) -> bool:
+    """The plain-cost runs the others are compared with at equal compute: plain on each stream, and the levers."""
+    spec = VARIANTS[variant]
+    return (spec["kind"] == "plain" and not spec.get("reweight")) or is_lever(variant)
+
+
 def train_lengths(variant: str, lengths: list[int], equal_compute: bool = True,
                   factors: tuple[float, ...] = (1.0, 1.3, 2.0)) -> list[int]:
-    """Where a run is evaluated: at each length, and for the controls and the data levers also at each length
-    times each of `factors` (the step costs of the benchmark's variants: their equal-compute lengths)."""
-    if not equal_compute or (variant not in CONTROLS[objective_of(variant)] and not is_lever(variant)):
+    """Where a run is evaluated: at each length, and for the stream controls and the data levers also at the
+    longest length times each of `factors` (the nominal step costs of the benchmark's variants), so their success
+    can be read at any other variant's compute by interpolation between these points."""
+    if not equal_compute or not is_stream_control(variant):
         return sorted(lengths)
-    return sorted({equal_compute_steps(n, c) for n in lengths for c in (1.0, *factors)})
+    return sorted({*lengths, *(equal_compute_steps(max(lengths), c) for c in factors)})
 
 
 def inverse_frequency_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
     """Per-object weight = mean over its concepts of 1 / (concept frequency), normalised to mean 1 over the pool's
-    tiles; concept counts come from the project's concept statistics over the tiles' captions. A scene's weight is
-    the mean of its two objects' weights."""
+    tiles; concept counts come from the project's concept statistics over the tiles' captions."""
     from data.concepts import count_concepts
 
     stats = count_concepts([f"a {pair_name(p)}" for p in pool_pairs])
@@ -147,10 +175,29 @@ def inverse_frequency_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[i
 
 
 def importance_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
-    """Per-object weight p_balanced(pair) / p_pool(pair): weighting the long-tailed stream by it gives, in
-    expectation, the loss of the pair-balanced stream (mean 1 over the pool's tiles by construction)."""
+    """Per-object weight p_balanced(pair) / p_pool(pair) (mean 1 over the pool's tiles by construction). On each
+    half's tokens it turns the long-tailed stream's expected loss of that half into the loss of a half whose object
+    is pair-balanced (its partner still long-tailed); the product of the two halves' ratios is the exact ratio of
+    the whole scene, whose objects the balanced stream draws independently."""
     counts = Counter(pool_pairs)
     return {p: len(pool_pairs) / (len(counts) * n) for p, n in counts.items()}
+
+
+def half_weighted_loss(pred: torch.Tensor, target: torch.Tensor, left: torch.Tensor, right: torch.Tensor
+                       ) -> torch.Tensor:
+    """Plain MSE with each half's pixels (so each half's tokens: a token never straddles the halves at patch 4)
+    weighted by its own weight, `left` and `right` (B,)."""
+    err = (pred.float() - target.float()).pow(2)
+    width = err.shape[-1] // 2
+    weights = torch.cat([left[:, None, None, None].expand(-1, 1, 1, width),
+                         right[:, None, None, None].expand(-1, 1, 1, err.shape[-1] - width)], dim=3)
+    return (err * weights).mean()
+
+
+def generator_for(seed: int, role: str) -> torch.Generator:
+    """One generator per (seed, role), so a stream's selection draws never shift another role's sequence."""
+    roles = ("select", "noise", "drop", "lever")
+    return torch.Generator().manual_seed(1000 * seed + 17 * roles.index(role) + 1)
 
 
 @torch.no_grad()
@@ -177,20 +224,32 @@ def generate(model, objective, text: WordEncoder, left, right, seed: int, steps:
     return torch.cat(images)
 
 
-def evaluate(model, objective, text, oracle: Oracle, world: PairWorld, per_pair: int, seed: int,
+def evaluate(model, objective, text, oracles: dict, world: PairWorld, per_pair: int, seed: int,
              sampling_steps: int = SAMPLING_STEPS):
-    """Per probed pair (keyed by its name): success rate and the count of each failure kind; and the scenes."""
+    """Per probed pair (keyed by its name), for each oracle (key suffix "" or "_b"): the share of prompts read
+    right whole (`per_pair`), of probed halves read right (`per_pair_half`), and the count of each failure kind of
+    the whole prompt (`failures`); and the scenes."""
     prompts = probe_prompts(world, per_pair)
     left, right = [p[1] for p in prompts], [p[2] for p in prompts]
     images = generate(model, objective, text, left, right, seed, steps=sampling_steps)
-    colours, shapes = oracle.read_scenes(images)
-    ok, kinds = judge(colours, shapes, left, right)
-    success, failures = {}, {}
-    for i, pair in enumerate(world.pairs):
-        rows = slice(i * per_pair, (i + 1) * per_pair)
-        success[pair_name(pair)] = ok[rows].float().mean().item()
-        failures[pair_name(pair)] = {k: kinds[rows].count(k) for k in FAILURES}
-    return success, failures, images
+    side = torch.tensor([0 if probe == lhs else 1 for probe, lhs, _ in prompts])
+    want = torch.tensor([list(p[0]) for p in prompts])
+    rows = torch.arange(len(prompts))
+    out: dict = {}
+    for suffix, oracle in oracles.items():
+        colours, shapes = oracle.read_scenes(images)
+        ok, kinds = judge(colours, shapes, left, right)
+        half = (colours[rows, side] == want[:, 0]) & (shapes[rows, side] == want[:, 1])
+        whole, halves, failures = {}, {}, {}
+        for i, pair in enumerate(world.pairs):
+            block = slice(i * per_pair, (i + 1) * per_pair)
+            whole[pair_name(pair)] = ok[block].float().mean().item()
+            halves[pair_name(pair)] = half[block].float().mean().item()
+            failures[pair_name(pair)] = {k: kinds[block].count(k) for k in FAILURES}
+        out[f"per_pair{suffix}"], out[f"per_pair_half{suffix}"] = whole, halves
+        if not suffix:
+            out["failures"] = failures
+    return out, images
 
 
 def save_grid(images: torch.Tensor, per_pair: int, path: Path, columns: int = 4, zoom: int = 3) -> None:
@@ -214,8 +273,23 @@ def half_distances(per_token: torch.Tensor, rows: int, cols: int) -> tuple[torch
     return grid[:, :, : cols // 2].mean(dim=(1, 2)), grid[:, :, cols // 2:].mean(dim=(1, 2))
 
 
+def exposure_log(objects: torch.Tensor, tile_seen: torch.Tensor, scenes_seen: int, pool: TilePool,
+                 world: PairWorld) -> dict:
+    """What a run has trained on so far: objects per named pair (both halves), hue objects, the distinct tiles and
+    scenes, and the largest number of times any one tile was shown, overall and per bucket of its pair."""
+    named = objects[:len(COLOURS)]
+    by_bucket: dict = {}
+    for i, pair in enumerate(pool.pair_of_tile):
+        bucket = world.buckets.get(pair, "hues")
+        by_bucket[bucket] = max(by_bucket.get(bucket, 0), int(tile_seen[i]))
+    return {"exposure": {pair_name(p): int(named[p]) for p in world.pairs},
+            "hue_objects": int(objects[len(COLOURS):].sum()),
+            "distinct_tiles": int((tile_seen > 0).sum()), "pool_tiles": len(pool), "distinct_scenes": scenes_seen,
+            "max_tile_repeat": int(tile_seen.max()), "max_tile_repeat_by_bucket": by_bucket}
+
+
 def run_one(job: dict) -> dict:
-    """Train one (variant, seed) and evaluate it at every length in job["steps"]."""
+    """Train one (world, variant, seed) and evaluate it at every length in job["steps"]."""
     torch.set_num_threads(1)
     from diffusers.training_utils import EMAModel
 
@@ -229,17 +303,25 @@ def run_one(job: dict) -> dict:
 
     variant, seed, lengths = job["variant"], job["seed"], sorted(job["steps"])
     spec = VARIANTS[variant]
-    world, text = PairWorld(), WordEncoder(seed=0)
-    oracle = Oracle()
-    oracle.load_state_dict(torch.load(job["oracle"], weights_only=True))
+    stream = spec.get("stream", "long_tailed")
+    world = PairWorld(job["world"], None if job["fixed_ranks"] else seed)
+    text = WordEncoder(seed=0)
+    oracles = {}
+    for suffix, path in (("", job["oracle"]), ("_b", job.get("oracle_b"))):
+        if path:
+            oracles[suffix] = Oracle()
+            oracles[suffix].load_state_dict(torch.load(path, weights_only=True))
 
     pool = TilePool(world, seed, tiles=job["pool"], hue_tiles=round(spec.get("hues", 0) * job["pool"]))
+    scene_pool = ScenePool(pool, seed) if job["scenes"] == "fixed" else None
+    if scene_pool is not None and spec.get("bursty"):
+        raise SystemExit(f"error: {variant} composes its scenes at batch time; run it with --scenes online")
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
     if spec.get("reweight"):
         weights = (inverse_frequency_weights(pool.pair_of_tile) if spec["reweight"] == "inverse_freq"
                    else importance_weights(pool.pair_of_tile))
-        tile_weight = torch.tensor([weights[p] for p in pool.pair_of_tile])
+        tile_weight = torch.tensor([weights.get(p, 1.0) for p in pool.pair_of_tile])
 
     torch.manual_seed(seed)
     model = build_transformer("micro", TILE, text.dim, in_channels=3, patch_size=PATCH)
@@ -249,34 +331,55 @@ def run_one(job: dict) -> dict:
     objective = build_objective(objective_of(variant))
     loss_fn = TrainingLoss(spec["kind"], patch_size=PATCH, reference=spec.get("reference", "target"),
                            estimator=spec.get("estimator", "literal"), normalize=spec.get("normalize", "none"))
-    data_gen = torch.Generator().manual_seed(seed)  # batches and noise: the same sequence for every variant
-    drop_gen = torch.Generator().manual_seed(seed + 1)  # caption dropout draws, separate from the data stream
+    select_gen, noise_gen = generator_for(seed, "select"), generator_for(seed, "noise")
+    drop_gen, lever_gen = generator_for(seed, "drop"), generator_for(seed, "lever")
+    units = [0]  # forward rows × 3 with gradient, × 1 without: a plain step of B rows is 3B
 
     def predict_fn(noisy, timesteps, embeds, mask):
+        units[0] += noisy.shape[0] * (3 if torch.is_grad_enabled() else 1)
         return predict(model, noisy, timesteps, embeds, mask, 1)
 
-    lever_gen = torch.Generator().manual_seed(seed + 2)  # the levers' own draws: the stream's stay as plain's
+    batch = job["batch_size"]
     objects = torch.zeros(len(COLOURS) + HUES, len(SHAPES))  # (colour, shape) of every object trained on
+    tile_seen = torch.zeros(len(pool), dtype=torch.long)
+    scene_seen = torch.zeros(len(scene_pool) if scene_pool is not None else 0, dtype=torch.long)
+    online_scenes: set = set()
     window = {b: [0.0, 0] for b in BUCKETS}  # IMBA distance per bucket (sum, count) since the last curve point
     curve: list[dict] = []
     results, losses, start = {}, [], time.perf_counter()
     for step in range(1, lengths[-1] + 1):
-        left = pool.draw(job["batch_size"], spec.get("balanced", False), data_gen)
-        right = pool.draw(job["batch_size"], spec.get("balanced", False), data_gen)
-        if spec.get("bursty"):
-            right = pool.same_colour(left, spec["bursty"], right, lever_gen)
+        if scene_pool is not None:
+            chosen = scene_pool.draw(batch, stream, select_gen)
+            scene_seen.index_add_(0, chosen, torch.ones_like(chosen))
+            left, right = scene_pool.left[chosen], scene_pool.right[chosen]
+        else:
+            left, right = pool.draw(batch, stream, select_gen), pool.draw(batch, stream, select_gen)
+            if spec.get("bursty"):
+                right = pool.same_colour(left, spec["bursty"], right, lever_gen)
+            online_scenes.update(zip(left.tolist(), right.tolist()))
         drawn = torch.cat([left, right])
         stream_objects(objects, pool.colour_of_tile[drawn], pool.shape_of_tile[drawn])
+        tile_seen.index_add_(0, drawn, torch.ones_like(drawn))
         scenes = pool.scenes(left, right)
         if spec.get("jitter"):
             turns = spec["jitter"] * (2 * torch.rand(2 * len(left), generator=lever_gen) - 1)
             halves = rotate_hue(torch.cat([scenes[..., :TILE], scenes[..., TILE:]]), turns)
             scenes = torch.cat(halves.chunk(2), dim=3)
-        noised = objective.noise(scenes, generator=data_gen)
+        noised = objective.noise(scenes, generator=noise_gen)
         cond = text.encode([pool.pair_of_tile[i] for i in left.tolist()],
                            [pool.pair_of_tile[i] for i in right.tolist()])
-        extra = {} if tile_weight is None else {"sample_weights": 0.5 * (tile_weight[left] + tile_weight[right])}
-        loss, stats = loss_fn(predict_fn, noised, cond, text.null(len(left)), generator=drop_gen, **extra)
+        null = text.null(len(left))
+        if tile_weight is None:
+            loss, stats = loss_fn(predict_fn, noised, cond, null, generator=drop_gen)
+        else:  # plain with caption dropout (the same draws as TrainingLoss's), each half weighted on its own
+            drop = loss_fn.imba.draw_drop_mask(len(left), generator=drop_gen)
+            embeds = torch.where(drop[:, None, None], null[0], cond[0])
+            mask = torch.where(drop[:, None], null[1], cond[1])
+            pred = predict_fn(noised.noisy, noised.timesteps, embeds, mask)
+            w_left, w_right = tile_weight[left], tile_weight[right]
+            if spec["reweight"] == "importance_joint":
+                w_left = w_right = w_left * w_right
+            loss, stats = half_weighted_loss(pred, noised.target, w_left, w_right), {}
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -299,31 +402,38 @@ def run_one(job: dict) -> dict:
             ema.store(model.parameters())
             ema.copy_to(model.parameters())
             model.eval()
-            per_pair, failures, images = evaluate(model, objective, text, oracle, world, job["per_pair"],
-                                                  seed=1000 + seed, sampling_steps=job["sampling_steps"])
+            read, images = evaluate(model, objective, text, oracles, world, job["per_pair"],
+                                    seed=1000 + seed, sampling_steps=job["sampling_steps"])
             if job.get("grid_dir") and step == lengths[-1]:
-                save_grid(images, job["per_pair"], Path(job["grid_dir"]) / f"samples_{variant}_{step}.png")
+                save_grid(images, job["per_pair"],
+                          Path(job["grid_dir"]) / f"samples_{job['world']}_{variant}_{step}.png")
             diagnostics = world_diagnostics(model, text, world, PATCH, seed=seed)
             if job.get("models_dir"):
-                model.save_pretrained(Path(job["models_dir"]) / f"{variant}-seed{seed}-{step}")
+                model.save_pretrained(Path(job["models_dir"]) / f"{job['world']}-{variant}-seed{seed}-{step}")
             model.train()
             ema.restore(model.parameters())
-            results[step] = {"per_pair": per_pair, "failures": failures, "train_seconds": train_seconds,
+            scenes_seen = int((scene_seen > 0).sum()) if scene_pool is not None else len(online_scenes)
+            results[step] = {**read, "train_seconds": train_seconds, "compute": units[0] / (3 * batch),
                              "final_loss": statistics.fmean(losses[-50:]), "diagnostics": diagnostics,
-                             "attribute_nmi": attribute_nmi(objects)}
-    return {"variant": variant, "seed": seed, "settings": {k: job[k] for k in JOB_SETTINGS}, "results": results,
-            "distance_curve": curve}
+                             "attribute_nmi": attribute_nmi(objects),
+                             **exposure_log(objects, tile_seen, scenes_seen, pool, world)}
+    return {"variant": variant, "seed": seed, "world": job["world"], "settings": {k: job[k] for k in JOB_SETTINGS},
+            "buckets": world.bucket_of_name, "held_out": [pair_name(p) for p in world.held_out],
+            "ranks": {"colour": {COLOURS[c]: r for c, r in enumerate(world.colour_rank)},
+                      "shape": {SHAPES[s]: r for s, r in enumerate(world.shape_rank)}},
+            "results": results, "distance_curve": curve}
 
 
-JOB_SETTINGS = ("steps", "per_pair", "sampling_steps", "batch_size", "pool")
+JOB_SETTINGS = ("world", "scenes", "fixed_ranks", "steps", "per_pair", "sampling_steps", "batch_size", "pool",
+                "protocol")
 
 
-def _run_path(runs_dir: Path, variant: str, seed: int) -> Path:
-    return runs_dir / f"{variant}-seed{seed}.json"
+def _run_path(runs_dir: Path, run: dict) -> Path:
+    return runs_dir / f"{run['world']}-{run['variant']}-seed{run['seed']}.json"
 
 
 def save_run(runs_dir: Path, run: dict) -> None:
-    path = _run_path(runs_dir, run["variant"], run["seed"])
+    path = _run_path(runs_dir, run)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(run))
     tmp.replace(path)
@@ -332,9 +442,10 @@ def save_run(runs_dir: Path, run: dict) -> None:
 def saved_run(runs_dir: Path, job: dict, recorded: list[dict] = ()) -> dict | None:
     """A finished run of this job with the same settings, from `runs_dir` or from the runs of a recorded
     results.json (`recorded`), or None."""
-    path = _run_path(runs_dir, job["variant"], job["seed"])
+    path = _run_path(runs_dir, job)
     candidates = [json.loads(path.read_text())] if path.is_file() else []
-    candidates += [r for r in recorded if (r["variant"], r["seed"]) == (job["variant"], job["seed"])]
+    candidates += [r for r in recorded if (r.get("world"), r["variant"], r["seed"]) ==
+                   (job["world"], job["variant"], job["seed"])]
     for run in candidates:
         if run.get("settings") == {k: job[k] for k in JOB_SETTINGS}:
             return {**run, "results": {int(k): v for k, v in run["results"].items()}}
@@ -349,71 +460,170 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return mean, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def per_seed(runs: list[dict], world: PairWorld) -> dict:
-    """{variant: {length: {seed: {bucket: success}}}}."""
+def per_seed(runs: list[dict], metric: str = "per_pair") -> dict:
+    """{variant: {length: {seed: {bucket: success}}}}, each run's buckets its own world's."""
     table: dict = {}
     for run in runs:
         for length, result in run["results"].items():
-            table.setdefault(run["variant"], {}).setdefault(int(length), {})[run["seed"]] = bucket_success(
-                result["per_pair"], world)
+            if metric in result:
+                table.setdefault(run["variant"], {}).setdefault(int(length), {})[run["seed"]] = bucket_success(
+                    result[metric], run["buckets"])
     return table
 
 
-def summarise(runs: list[dict], world: PairWorld) -> dict:
+def summarise(runs: list[dict], metric: str = "per_pair") -> dict:
     """{length: {variant: {bucket: (mean, ci)}}} over seeds."""
     out: dict = {}
-    for variant, lengths in per_seed(runs, world).items():
+    for variant, lengths in per_seed(runs, metric).items():
         for length, seeds in lengths.items():
             buckets = {b: [seeds[s][b] for s in sorted(seeds)] for b in (*BUCKETS, "all_seen")}
             out.setdefault(length, {})[variant] = {b: mean_ci(v) for b, v in buckets.items()}
     return out
 
 
-def stream_nmi(world: PairWorld, pool: int) -> dict[str, float]:
-    """Colour-shape NMI of the objects each training stream shows: the long-tailed stream draws pool tiles
-    uniformly (pair frequency = its pool count), the balanced one every seen pair equally often."""
-    from imba.eval.representations import attribute_nmi
+def at_compute(run: dict, compute: float, metric: str, slack: float = 0.02) -> dict | None:
+    """The run's per-pair success at `compute` (plain-step equivalents), linearly interpolated between the two
+    evaluations around it; an evaluation within `slack` (relative) of it counts as at it; None out of range."""
+    points = sorted((r["compute"], r[metric]) for r in run["results"].values() if metric in r and "compute" in r)
+    for c, per_pair in points:
+        if abs(c - compute) <= slack * compute:
+            return per_pair
+    for (c0, p0), (c1, p1) in zip(points, points[1:]):
+        if c0 < compute < c1:
+            w = (compute - c0) / (c1 - c0)
+            return {k: (1 - w) * p0[k] + w * p1[k] for k in p0}
+    return None
 
-    counts = world.pool_counts(pool)
-    tables = {name: torch.zeros(len(COLOURS), len(SHAPES)) for name in ("long_tailed", "balanced")}
-    for (colour, shape), n in counts.items():
-        tables["long_tailed"][colour, shape] = n
-        tables["balanced"][colour, shape] = 1
-    return {name: attribute_nmi(table) for name, table in tables.items()}
+
+def bucket_rows(per_pair: dict, buckets: dict[str, str], bucket: str) -> list[float]:
+    names = [n for n, b in sorted(buckets.items()) if (b != "held_out" if bucket == "all_seen" else b == bucket)]
+    return [per_pair[n] for n in names]
 
 
-def gap_closed(runs: list[dict], world: PairWorld, lengths: list[int], compute: bool) -> dict:
-    """Per IMBA-or-reweighting variant and length: the balance gap and how much of it the variant closes.
+def bootstrap_fraction(gains: list[list[float]], gaps: list[list[float]], resamples: int = BOOTSTRAP,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """95 % percentile interval of mean(gain) / mean(gap) when seeds, and the pairs within each drawn seed, are
+    drawn again with replacement; gains[s][k], gaps[s][k]: per seed s and pair k of one bucket (paired: the same
+    draw for both). None with fewer than 2 seeds."""
+    if len(gains) < 2:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    gain, gap = torch.tensor(gains, dtype=torch.float64), torch.tensor(gaps, dtype=torch.float64)
+    n_seeds, n_pairs = gain.shape
+    seeds = torch.randint(n_seeds, (resamples, n_seeds), generator=g)
+    pairs = torch.randint(n_pairs, (resamples, n_seeds, n_pairs), generator=g)
+    pick_gain = gain[seeds[..., None], pairs].mean(dim=(1, 2))
+    pick_gap = gap[seeds[..., None], pairs].mean(dim=(1, 2))
+    ratio = pick_gain / pick_gap
+    ratio = torch.where(pick_gap > 0, ratio, torch.full_like(ratio, float("nan")))
+    if torch.isnan(ratio).float().mean() > 0.025:  # the gap itself vanishes in over 2.5 % of the draws
+        return None
+    lo, hi = torch.nanquantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
 
-    Against the controls of its objective at the same steps (compute=False) or at the steps plain could run for
-    the variant's compute (compute=True). Per bucket: the variant's gain over plain (mean ± 95 % CI of the per-seed
-    paired differences), the gap (plain_balanced − plain, likewise) and the fraction = mean gain / mean gap (None
-    where the gap is not clearly there: its 95 % interval reaches 0, or it is under 5 points)."""
-    seeds_of = per_seed(runs, world)
+
+def gap_closed(runs: list[dict], lengths: list[int], compute: bool, metric: str = "per_pair") -> dict:
+    """Per variant (every one but the long-tailed plain run and its pair-balanced control) and length: the balance
+    gap and how much of it the variant closes.
+
+    Against the controls of its objective at the same steps (compute=False), or at the variant's counted compute
+    at that length, the controls' success interpolated between their evaluations (compute=True). Per bucket: the
+    variant's gain over plain (mean ± 95 % t interval of the per-seed paired differences), the gap
+    (plain_balanced − plain, likewise), the fraction = mean gain / mean gap (None where the gap is not clearly
+    there: its interval reaches 0, or it is under 5 points) and its 95 % bootstrap interval over seeds and pairs."""
+    by_key = {(r["variant"], r["seed"]): r for r in runs}
+    variants = sorted({r["variant"] for r in runs})
     out: dict = {}
-    for variant in seeds_of:
+    for variant in variants:
         plain, balanced = CONTROLS[objective_of(variant)]
-        if variant in (plain, balanced) or plain not in seeds_of or balanced not in seeds_of:
+        if variant in (plain, balanced):
             continue
         for length in lengths:
-            ref = equal_compute_steps(length, relative_cost(variant)) if compute else length
-            mine, base, ctrl = (seeds_of[variant].get(length), seeds_of[plain].get(ref),
-                                seeds_of[balanced].get(ref))
-            if not (mine and base and ctrl):
+            seeds, refs = [], {}
+            for seed in sorted({s for v, s in by_key if v == variant}):
+                mine, base, ctrl = by_key.get((variant, seed)), by_key.get((plain, seed)), by_key.get((balanced, seed))
+                if not (mine and base and ctrl) or length not in mine["results"]:
+                    continue
+                result = mine["results"][length]
+                if compute:
+                    ref = result["compute"]
+                    b, c = at_compute(base, ref, metric), at_compute(ctrl, ref, metric)
+                else:
+                    ref = length
+                    b = base["results"].get(length, {}).get(metric)
+                    c = ctrl["results"].get(length, {}).get(metric)
+                if b is None or c is None or metric not in result:
+                    continue
+                seeds.append(seed)
+                refs[seed] = (ref, result[metric], b, c, mine["buckets"])
+            if not seeds:
                 continue
-            seeds = sorted(set(mine) & set(base) & set(ctrl))
             cells = {}
             for bucket in (*BUCKETS, "all_seen"):
-                gain = mean_ci([mine[s][bucket] - base[s][bucket] for s in seeds])
-                gap = mean_ci([ctrl[s][bucket] - base[s][bucket] for s in seeds])
+                mine_rows = [bucket_rows(refs[s][1], refs[s][4], bucket) for s in seeds]
+                base_rows = [bucket_rows(refs[s][2], refs[s][4], bucket) for s in seeds]
+                ctrl_rows = [bucket_rows(refs[s][3], refs[s][4], bucket) for s in seeds]
+                gains = [[m - b for m, b in zip(mr, br)] for mr, br in zip(mine_rows, base_rows)]
+                gaps = [[c - b for c, b in zip(cr, br)] for cr, br in zip(ctrl_rows, base_rows)]
+                gain = mean_ci([statistics.fmean(x) for x in gains])
+                gap = mean_ci([statistics.fmean(x) for x in gaps])
                 # a fraction of a gap that is not there (its CI reaches 0, or under 5 points) means nothing
                 real = gap[0] > max(gap[1], 0.05)
-                cells[bucket] = {"gain": gain, "gap": gap, "fraction": gain[0] / gap[0] if real else None}
-            out.setdefault(length, {})[variant] = {"reference_steps": ref, "seeds": seeds, "buckets": cells}
+                cells[bucket] = {"gain": gain, "gap": gap, "fraction": gain[0] / gap[0] if real else None,
+                                 "fraction_ci": bootstrap_fraction(gains, gaps) if real else None}
+            out.setdefault(length, {})[variant] = {
+                "reference": statistics.fmean(refs[s][0] for s in seeds), "seeds": seeds, "buckets": cells}
     return out
 
 
-def failure_table(runs: list[dict], world: PairWorld, length: int) -> dict:
+EXPOSURE_BINS = (0, 100, 300, 1000, 3000, 10000, float("inf"))  # objects of a pair trained on
+
+
+def exposure_tables(runs: list[dict], length: int, metric: str = "per_pair_half") -> dict:
+    """At one length, per variant: success of seen pairs binned by how many objects of the pair the run trained on
+    ({bin: (mean success, pairs × seeds)}); per concept rank and per concept name (colours and shapes), its objects
+    trained on and the success of the seen pairs holding it (means over seeds); held-out pairs against the smaller
+    exposure of their two concepts."""
+    out: dict = {}
+    for run in runs:
+        result = run["results"].get(length)
+        if not result or "exposure" not in result or metric not in result:
+            continue
+        slot = out.setdefault(run["variant"], {"bins": {}, "colour_rank": {}, "shape_rank": {}, "colour": {},
+                                                "shape": {}, "held_out": []})
+        exposure, success, buckets = result["exposure"], result[metric], run["buckets"]
+        for name, n in exposure.items():
+            if buckets[name] == "held_out":
+                continue
+            k = next(i for i in range(len(EXPOSURE_BINS) - 1) if EXPOSURE_BINS[i] <= n < EXPOSURE_BINS[i + 1])
+            slot["bins"].setdefault(k, []).append(success[name])
+        for kind, names in (("colour", COLOURS), ("shape", SHAPES)):
+            for concept in names:
+                holding = [n for n in exposure if concept in n.split(" ")]
+                seen = [n for n in holding if buckets[n] != "held_out"]
+                total = sum(exposure[n] for n in holding)
+                cell = (total, statistics.fmean(success[n] for n in seen))
+                slot[kind].setdefault(concept, []).append(cell)
+                slot[f"{kind}_rank"].setdefault(run["ranks"][kind][concept], []).append(cell)
+        for name in run["held_out"]:
+            colour, shape = name.split(" ")
+            concept_objects = min(sum(exposure[n] for n in exposure if n.split(" ")[0] == colour),
+                                  sum(exposure[n] for n in exposure if n.split(" ")[1] == shape))
+            slot["held_out"].append((concept_objects, success[name]))
+
+    def mean_cells(cells):
+        return {"objects": statistics.fmean(c[0] for c in cells), "success": statistics.fmean(c[1] for c in cells),
+                "runs": len(cells)}
+
+    return {v: {"bins": {f"{EXPOSURE_BINS[k]:g}-{EXPOSURE_BINS[k + 1]:g}": (statistics.fmean(x), len(x))
+                         for k, x in sorted(slot["bins"].items())},
+                **{key: {str(c): mean_cells(cells) for c, cells in sorted(slot[key].items())}
+                   for key in ("colour_rank", "shape_rank", "colour", "shape")},
+                "held_out": slot["held_out"]}
+            for v, slot in out.items()}
+
+
+def failure_table(runs: list[dict], length: int) -> dict:
     """{variant: {bucket: {kind: share of that bucket's prompts, over every seed}}} at one length."""
     out: dict = {}
     for run in runs:
@@ -421,46 +631,75 @@ def failure_table(runs: list[dict], world: PairWorld, length: int) -> dict:
         if result is None:
             continue
         slot = out.setdefault(run["variant"], {b: {k: 0 for k in (*FAILURES, "prompts")} for b in BUCKETS})
-        for pair in world.pairs:
-            cell = slot[world.buckets[pair]]
-            counts = result["failures"][pair_name(pair)]
+        for name, bucket in run["buckets"].items():
+            cell = slot[bucket]
             for kind in FAILURES:
-                cell[kind] += counts[kind]
+                cell[kind] += result["failures"][name][kind]
             cell["prompts"] += run["settings"]["per_pair"]
     return {v: {b: {k: c[k] / c["prompts"] for k in FAILURES} for b, c in buckets.items()}
             for v, buckets in out.items()}
+
+
+def run_facts(runs: list[dict], length: int) -> dict:
+    """Per variant at one length, means over seeds: counted compute per step, training seconds per step, distinct
+    tiles and scenes trained on, the largest repeat of one tile overall and among tail tiles, and the two oracles'
+    largest disagreement on a bucket mean (whole prompts, points)."""
+    rows: dict = {}
+    for run in runs:
+        r = run["results"].get(length)
+        if not r:
+            continue
+        row = {"compute_per_step": r["compute"] / length, "seconds_per_step": r["train_seconds"] / length}
+        if "distinct_tiles" in r:
+            row.update(distinct_tiles=r["distinct_tiles"], pool_tiles=r["pool_tiles"],
+                       distinct_scenes=r["distinct_scenes"], max_tile_repeat=r["max_tile_repeat"],
+                       max_tail_tile_repeat=r["max_tile_repeat_by_bucket"].get("tail", 0))
+        if "per_pair_b" in r:
+            a, b = bucket_success(r["per_pair"], run["buckets"]), bucket_success(r["per_pair_b"], run["buckets"])
+            row["oracle_disagreement"] = max(abs(a[k] - b[k]) for k in a)
+        rows.setdefault(run["variant"], []).append(row)
+    return {v: {k: statistics.fmean(row[k] for row in rs) for k in rs[0]} for v, rs in rows.items()}
 
 
 def _pct(cell: tuple[float, float]) -> str:
     return f"{100 * cell[0]:.1f} ± {100 * cell[1]:.1f}"
 
 
-def markdown_report(summary: dict, gaps: dict, failures: dict, variants: list[str], lengths: list[int],
-                    seeds: int) -> str:
+def _frac(cell: dict) -> str:
+    if cell["fraction"] is None:
+        return "—"
+    ci = cell.get("fraction_ci")
+    return f"{100 * cell['fraction']:.0f} %" + ("" if ci is None else f" [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]")
+
+
+METRIC_TITLES = {"per_pair": "whole prompt", "per_pair_half": "probed half alone",
+                 "per_pair_b": "whole prompt, second oracle", "per_pair_half_b": "probed half, second oracle"}
+
+
+def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposure: dict, facts: dict,
+                 variants: list[str], lengths: list[int], seeds: int) -> str:
     columns = ("head", "torso", "tail", "held_out", "all_seen")
-    lines = []
-    for length in lengths:
-        spread = "± 95 % CI" if seeds > 1 else "one seed: no CI, the ± 0.0 stands for none"
-        lines.append(f"\n**Equal steps: {length}** (composition success %, mean over {seeds} seed(s) {spread})\n")
-        lines.append("| variant | " + " | ".join(columns) + " |")
+    lines = [f"\n## World `{world}`\n"]
+    spread = "± 95 % CI" if seeds > 1 else "one seed: no CI, the ± 0.0 stands for none"
+    for metric in ("per_pair", "per_pair_half"):
+        summary = summaries[metric]
+        lines.append(f"\n**Success, {METRIC_TITLES[metric]}** (%, mean over {seeds} seed(s) {spread}; "
+                     "`@ n` = a stream control evaluated on to n steps)\n")
+        lines.append("| variant @ steps | " + " | ".join(columns) + " |")
         lines.append("|---" * (len(columns) + 1) + "|")
-        for variant in variants:
-            cells = summary.get(length, {}).get(variant)
-            if cells:
-                lines.append(f"| {variant} | " + " | ".join(_pct(cells[c]) for c in columns) + " |")
-        longer = sorted({n for n in summary if n > length and n <= 2 * length})
-        for n in longer:
-            for control in variants:  # the controls and the levers, trained on for equal compute
-                cells = summary[n].get(control)
-                if cells:
-                    lines.append(f"| {control} @ {n} steps | " + " | ".join(_pct(cells[c]) for c in columns) + " |")
-    for title, table in gaps.items():
+        for length in sorted(summary):
+            for variant in variants:
+                cells = summary[length].get(variant)
+                if cells and (length in lengths or is_stream_control(variant)):
+                    lines.append(f"| {variant} @ {length} | " + " | ".join(_pct(cells[c]) for c in columns) + " |")
+    for (title, metric), table in gaps.items():
         for length in lengths:
             rows = table.get(length, {})
             if not rows:
                 continue
-            lines.append(f"\n**Balance gap closed, {title}, {length} steps** (gain over plain in points ± 95 % CI "
-                         "of the paired per-seed differences; fraction = gain / gap)\n")
+            lines.append(f"\n**Balance gap closed, {title}, {length} steps, {METRIC_TITLES[metric]}** (gain over "
+                         "plain in points ± 95 % t interval of the paired per-seed differences; closed = gain / gap "
+                         "[95 % bootstrap interval over seeds and pairs]; plain at = the controls' compute)\n")
             lines.append("| variant | plain at | head gain | tail gap | tail gain | tail closed | held-out gap | "
                          "held-out gain | held-out closed |")
             lines.append("|---" * 9 + "|")
@@ -469,14 +708,57 @@ def markdown_report(summary: dict, gaps: dict, failures: dict, variants: list[st
                 if not row:
                     continue
                 b = row["buckets"]
-
-                def frac(bucket: str) -> str:
-                    f = b[bucket]["fraction"]
-                    return "—" if f is None else f"{100 * f:.0f} %"
-
-                lines.append(f"| {variant} | {row['reference_steps']} | {_pct(b['head']['gain'])} | "
-                             f"{_pct(b['tail']['gap'])} | {_pct(b['tail']['gain'])} | {frac('tail')} | "
-                             f"{_pct(b['held_out']['gap'])} | {_pct(b['held_out']['gain'])} | {frac('held_out')} |")
+                lines.append(f"| {variant} | {row['reference']:.0f} | {_pct(b['head']['gain'])} | "
+                             f"{_pct(b['tail']['gap'])} | {_pct(b['tail']['gain'])} | {_frac(b['tail'])} | "
+                             f"{_pct(b['held_out']['gap'])} | {_pct(b['held_out']['gain'])} | "
+                             f"{_frac(b['held_out'])} |")
+    if exposure:
+        length = lengths[-1]
+        lines.append(f"\n**Success against exposure at {length} steps** (probed half alone, %; seen pairs binned "
+                     "by the objects of that pair the run trained on; in brackets pairs × seeds)\n")
+        bins = sorted({k for v in exposure.values() for k in v["bins"]}, key=lambda k: float(k.split("-")[0]))
+        lines.append("| variant | " + " | ".join(bins) + " |")
+        lines.append("|---" * (len(bins) + 1) + "|")
+        for variant in variants:
+            if variant in exposure:
+                cells = exposure[variant]["bins"]
+                lines.append(f"| {variant} | " + " | ".join(
+                    f"{100 * cells[k][0]:.0f} ({cells[k][1]})" if k in cells else "—" for k in bins) + " |")
+        for kind in ("colour", "shape"):
+            lines.append(f"\n**Per {kind} frequency rank at {length} steps** (objects holding the {kind} trained on "
+                         f"/ success of the seen pairs with it, probed half, %; rank 0 the most frequent)\n")
+            ranks = sorted({k for v in exposure.values() for k in v[f"{kind}_rank"]}, key=int)
+            lines.append("| variant | " + " | ".join(f"rank {r}" for r in ranks) + " |")
+            lines.append("|---" * (len(ranks) + 1) + "|")
+            for variant in variants:
+                if variant in exposure:
+                    cells = exposure[variant][f"{kind}_rank"]
+                    lines.append(f"| {variant} | " + " | ".join(
+                        f"{cells[r]['objects']:.0f} / {100 * cells[r]['success']:.0f}" for r in ranks) + " |")
+            names = COLOURS if kind == "colour" else SHAPES
+            lines.append(f"\n**Per {kind} name at {length} steps** (objects / success as above; the ranks are "
+                         "drawn per seed, so a name's difficulty shows apart from its frequency)\n")
+            lines.append("| variant | " + " | ".join(names) + " |")
+            lines.append("|---" * (len(names) + 1) + "|")
+            for variant in variants:
+                if variant in exposure:
+                    cells = exposure[variant][kind]
+                    lines.append(f"| {variant} | " + " | ".join(
+                        f"{cells[n]['objects']:.0f} / {100 * cells[n]['success']:.0f}" for n in names) + " |")
+    if facts:
+        lines.append(f"\n**Cost, repetition and the judge at {lengths[-1]} steps** (means over seeds; compute in "
+                     "plain steps, counted; seconds measured beside other work; repeat = the most times one tile was "
+                     "shown; oracle Δ = the largest difference of a bucket mean between the two oracles, points)\n")
+        lines.append("| variant | compute/step | s/step | distinct tiles | distinct scenes | max repeat | "
+                     "max repeat, tail tile | oracle Δ |")
+        lines.append("|---" * 8 + "|")
+        for variant in variants:
+            f = facts.get(variant)
+            if f:
+                lines.append(f"| {variant} | {f['compute_per_step']:.3f} | {f['seconds_per_step']:.3f} | "
+                             f"{f.get('distinct_tiles', 0):.0f} of {f.get('pool_tiles', 0):.0f} | "
+                             f"{f.get('distinct_scenes', 0):.0f} | {f.get('max_tile_repeat', 0):.0f} | "
+                             f"{f.get('max_tail_tile_repeat', 0):.0f} | {100 * f.get('oracle_disagreement', 0):.1f} |")
     if failures:
         lines.append(f"\n**Failure kinds at {lengths[-1]} steps** (% of the bucket's prompts, all seeds: missing "
                      "object / colour on the wrong shape / other)\n")
@@ -489,21 +771,48 @@ def markdown_report(summary: dict, gaps: dict, failures: dict, variants: list[st
     return "\n".join(lines) + "\n"
 
 
-def bar_plot(summary: dict, variants: list[str], lengths: list[int], path: Path) -> None:
-    """Grouped bars per bucket: one panel per equal-steps length, plus the plain-cost variants trained on to
-    1.3× and 2× of it (equal compute with the efficient and the literal IMBA step)."""
+def judge_report(judges: dict) -> str:
+    lines = ["\n## The judges\n", "| oracle | fresh tiles read right | degraded | worst colour (clean / degraded) | "
+             "worst shape (clean / degraded) |", "|---|---|---|---|---|"]
+    for name, report in judges.items():
+        per = report["per_class"]
+        worst = {}
+        for kind in ("colour", "shape"):
+            k = min(per["degraded"][kind], key=per["degraded"][kind].get)
+            worst[kind] = f"{k} {100 * per['clean'][kind][k]:.2f} / {100 * per['degraded'][kind][k]:.2f} %"
+        lines.append(f"| {name} | {100 * report['pair_accuracy']:.2f} % | {100 * report['pair_accuracy_degraded']:.2f} % "
+                     f"| {worst['colour']} | {worst['shape']} |")
+    return "\n".join(lines) + "\n"
+
+
+def bar_plot(summaries: dict, variants: list[str], length: int, path: Path) -> None:
+    """Grouped bars per bucket, one panel per world at one length (whole prompts)."""
     from imba.plots import plot_grouped_bars
 
-    panels = {f"{length} training steps": {v: summary[length][v] for v in variants if v in summary.get(length, {})}
-              for length in lengths}
-    for length in lengths:
-        for cost, name in ((1.3, "the efficient IMBA estimator"), (2.0, "literal IMBA")):
-            longer = equal_compute_steps(length, cost)
-            if longer in summary:
-                panels[f"at {longer} steps (= {name}'s compute at {length})"] = {
-                    v: summary[longer][v] for v in variants if v in summary[longer]}
+    panels = {f"{world}, {length} steps": {v: summary[length][v] for v in variants if v in summary.get(length, {})}
+              for world, summary in summaries.items()}
     plot_grouped_bars(panels, BUCKETS, variants, path, ylabel="composition success (%)", scale=100, ylim=(0, 100),
                       title="Two-object composition success per bucket of the probed pair (whiskers: 95 % CI)")
+
+
+def exposure_plot(runs: list[dict], length: int, variants: list[str], path: Path) -> None:
+    """Probed-half success of every seen pair against the objects of it trained on (log scale), one point per pair
+    and run, one panel per world."""
+    from imba.plots import plot_series
+
+    panels = {}
+    for world in sorted({r["world"] for r in runs}):
+        series = {}
+        for run in runs:
+            r = run["results"].get(length)
+            if run["world"] != world or not r or "exposure" not in r or run["variant"] not in variants:
+                continue
+            series.setdefault(run["variant"], []).extend(
+                (math.log10(max(1, n)), 100 * r["per_pair_half"][name]) for name, n in r["exposure"].items()
+                if run["buckets"][name] != "held_out")
+        panels[world] = {"xlabel": "log10 objects of the pair trained on", "series": series}
+    plot_series(panels, path, ylabel="probed half read right (%)", scatter=True,
+                title=f"Success of each seen pair against its exposure ({length} steps, one point per pair and run)")
 
 
 def monitor_curves(runs: list[dict]) -> dict:
@@ -529,7 +838,11 @@ def diagnose_saved_model(folder: Path, out: Path) -> int:
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: {folder} holds no saved model (config.json): pass a folder of OUT/models/")
     model = PixArtTransformer2DModel.from_pretrained(folder).eval()
-    result = world_diagnostics(model, WordEncoder(seed=0), PairWorld(), PATCH)
+    # <world>-<variant>-seed<s>-<steps>: the run's own world (ranks drawn from its seed)
+    world_name, _, rest = folder.name.partition("-")
+    seed = rest.rsplit("-seed", 1)[-1].split("-")[0] if "-seed" in rest else ""
+    world = (PairWorld(world_name, int(seed)) if world_name in WORLDS and seed.isdigit() else PairWorld())
+    result = world_diagnostics(model, WordEncoder(seed=0), world, PATCH)
     out.mkdir(parents=True, exist_ok=True)
     result["model"] = str(folder)
     (out / "diagnostics.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -547,11 +860,11 @@ LEVER_COLUMNS = ("head", "tail", "held_out", "attribute_nmi", "colour_probe_held
                  "shape_probe_gap", "cka_tail", "cka_held_out")
 
 
-def levers_against_imba(runs: list[dict], world: PairWorld, lengths: list[int]) -> dict:
+def levers_against_imba(runs: list[dict], lengths: list[int]) -> dict:
     """Each data lever against each IMBA variant at equal compute: the lever trained to length × the IMBA step's
     cost against the IMBA variant at the length, per bucket the mean ± 95 % CI of the per-seed differences.
     {length: {"<lever> vs <imba>": {"lever_steps", "seeds", "buckets": {bucket: (mean, ci)}}}}."""
-    seeds_of = per_seed(runs, world)
+    seeds_of = per_seed(runs)
     out: dict = {}
     for lever in (v for v in seeds_of if is_lever(v)):
         for imba in (v for v in seeds_of if relative_cost(v) > 1 and objective_of(v) == objective_of(lever)):
@@ -567,7 +880,7 @@ def levers_against_imba(runs: list[dict], world: PairWorld, lengths: list[int]) 
     return out
 
 
-def levers_summary(runs: list[dict], world: PairWorld) -> dict:
+def levers_summary(runs: list[dict]) -> dict:
     """{length: {variant: {number: (mean, ci)}}} of `run_numbers` over seeds, and the relations across runs
     ({length: relations(...)}) between held-out success and the data and representation numbers."""
     from composition_diagnostics import relations, run_numbers
@@ -576,7 +889,7 @@ def levers_summary(runs: list[dict], world: PairWorld) -> dict:
     points: dict = {}
     for run in runs:
         for length in run["results"]:
-            numbers = run_numbers(run, int(length), world)
+            numbers = run_numbers(run, int(length))
             if numbers is None:
                 continue
             table.setdefault(int(length), {}).setdefault(run["variant"], []).append(numbers)
@@ -660,31 +973,54 @@ def levers_plots(levers: dict, runs: list[dict], variants: list[str], out: Path)
                 ylabel="CKA / probe accuracy", title=f"Per block, mean over seeds ({length} steps)")
 
 
+def judge_reports(paths: dict) -> dict:
+    """Each oracle's recorded accuracy report with its accuracy per colour, shape and pair on fresh tiles."""
+    out = {}
+    for name, path in paths.items():
+        oracle = Oracle()
+        oracle.load_state_dict(torch.load(path, weights_only=True))
+        out[name] = {**json.loads(Path(path).with_suffix(".json").read_text()), "per_class": oracle_per_class(oracle)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="1 seed, 3 variants, 1000 steps, 8 samples per pair, equal steps only (with "
-                             "--levers: 1 seed, 400 steps, 4 samples per pair)")
+                        help=f"1 seed, both worlds, {' '.join(QUICK_VARIANTS)}, {QUICK_STEPS[0]} steps, 8 samples "
+                             "per pair (with --levers: 1 seed, 400 steps, 4 samples per pair)")
     parser.add_argument("--levers", action="store_true",
-                        help=f"the data-levers experiment: {' '.join(LEVER_VARIANTS)}, 1000 steps, the plain-cost "
-                             "variants also at the efficient estimator's compute (1,300 steps)")
+                        help=f"the data-levers experiment: {' '.join(LEVER_VARIANTS)}, 1000 steps, online scenes, "
+                             "concept_tail world, the plain-cost variants also at the efficient estimator's compute")
     parser.add_argument("--diagnose", type=Path, default=None, metavar="MODEL",
                         help="only write the representation diagnostics (JSON and plot) of a model the benchmark "
-                             "saved (OUT/models/<variant>-seed<s>-<steps>) into --out")
+                             "saved (OUT/models/<world>-<variant>-seed<s>-<steps>) into --out")
     parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, "all"], default=None, metavar="NAME",
                         help=f"names from VARIANTS ({', '.join(VARIANTS)}) or all; default: "
-                             f"{' '.join(DEFAULT_VARIANTS)}; quick: {' '.join(QUICK_VARIANTS)}")
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default 0 1 2 (quick: 0)")
+                             f"{' '.join(DEFAULT_VARIANTS)}")
+    parser.add_argument("--worlds", nargs="+", choices=WORLDS, default=None,
+                        help=f"default: {' '.join(WORLDS)} (--levers: concept_tail)")
+    parser.add_argument("--scenes", choices=("fixed", "online"), default=None,
+                        help="fixed: each seed's scenes composed once, streams draw among them (default); online: "
+                             "each scene composed at batch time (the default with --levers)")
+    parser.add_argument("--fixed-ranks", action="store_true",
+                        help="keep the listed order of colours and shapes as their frequency ranks for every seed "
+                             "(the first recordings' world) instead of drawing it from the seed")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None,
+                        help=f"default {' '.join(map(str, DEFAULT_SEEDS))} (quick: 0; levers: 0 1 2)")
     parser.add_argument("--steps", nargs="+", type=int, default=None,
-                        help="equal-step lengths to evaluate at (default 2000; quick: 1000); the controls also "
-                             "train to 1.3× and 2× each")
+                        help=f"equal-step lengths every variant is evaluated at (default "
+                             f"{' '.join(map(str, DEFAULT_STEPS))}); the stream controls also run to each times the "
+                             "nominal costs of the other variants, for the equal-compute comparisons")
     parser.add_argument("--no-equal-compute", action="store_true",
-                        help="do not train the controls on to 1.3× and 2× the lengths (the default with --quick)")
-    parser.add_argument("--per-pair", type=int, default=None, help="samples per pair (default 16; quick: 8)")
+                        help="do not train the stream controls on to the other variants' compute")
+    parser.add_argument("--per-pair", type=int, default=None,
+                        help=f"samples per pair (default {DEFAULT_PER_PAIR}; quick: 8; levers: 16)")
     parser.add_argument("--sampling-steps", type=int, default=SAMPLING_STEPS,
                         help=f"DPM-Solver++ steps per evaluation sample (default {SAMPLING_STEPS})")
     parser.add_argument("--oracle", type=Path, default=ORACLE,
                         help="the judge's weights, its report beside them as .json (default: the shipped oracle)")
+    parser.add_argument("--oracle-b", type=Path, default=ORACLE_B,
+                        help="a second judge read beside the first (default: the shipped second oracle)")
     parser.add_argument("--train-oracle", action="store_true",
                         help="train the oracle anew into OUT/oracle.pt (+ .json) and judge with it (≈ 1.5 min)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -699,11 +1035,14 @@ def main(argv: list[str] | None = None) -> int:
                                  else DEFAULT_VARIANTS)
     if "all" in variants:
         variants = list(VARIANTS)
-    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    lengths = sorted(args.steps or ([400] if args.quick and args.levers else [1000] if args.quick or args.levers
-                                    else [2000]))
-    equal_compute = not (args.no_equal_compute or (args.quick and not args.levers))
-    per_pair = args.per_pair or (4 if args.quick and args.levers else 8 if args.quick else 16)
+    worlds = args.worlds or (["concept_tail"] if args.levers else list(WORLDS))
+    scenes = args.scenes or ("online" if args.levers else "fixed")
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2] if args.levers else DEFAULT_SEEDS)
+    lengths = sorted(args.steps or ([400] if args.quick and args.levers else QUICK_STEPS if args.quick
+                                    else [1000] if args.levers else DEFAULT_STEPS))
+    equal_compute = not args.no_equal_compute
+    per_pair = args.per_pair or (4 if args.quick and args.levers else 8 if args.quick else 16 if args.levers
+                                 else DEFAULT_PER_PAIR)
     factors = tuple(sorted({relative_cost(v) for v in variants} - {1.0}))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -718,18 +1057,20 @@ def main(argv: list[str] | None = None) -> int:
         oracle_path = args.oracle
         if not (oracle_path.is_file() and oracle_path.with_suffix(".json").is_file()):
             raise SystemExit(f"no oracle at {oracle_path} (weights and its .json report); pass --train-oracle")
+    oracle_b = args.oracle_b if args.oracle_b and args.oracle_b.is_file() else None
     oracle_report = json.loads(oracle_path.with_suffix(".json").read_text())
     print(f"oracle: {100 * oracle_report['pair_accuracy']:.2f} % of {oracle_report['test_tiles']} fresh tiles read "
           f"right ({100 * oracle_report['empty_accuracy']:.2f} % of empty ones)", flush=True)
 
-    jobs = [dict(variant=v, seed=s, steps=train_lengths(v, lengths, equal_compute, factors), per_pair=per_pair,
+    jobs = [dict(variant=v, seed=s, world=w, scenes=scenes, fixed_ranks=args.fixed_ranks, protocol=PROTOCOL,
+                 steps=train_lengths(v, lengths, equal_compute, factors), per_pair=per_pair,
                  sampling_steps=args.sampling_steps, batch_size=args.batch_size, pool=args.pool,
-                 oracle=str(oracle_path),
+                 oracle=str(oracle_path), oracle_b=str(oracle_b) if oracle_b else None,
                  grid_dir=str(args.out) if s == seeds[0] else None, models_dir=str(args.out / "models"))
-            for s in seeds for v in variants]
+            for w in worlds for s in seeds for v in variants]
     jobs.sort(key=lambda j: -relative_cost(j["variant"]) * max(j["steps"]))  # longest first: better packing
-    # every finished (variant, seed) is saved at once: an interrupted benchmark reruns only the missing ones, and the
-    # runs recorded in results.json (committed with the results) are reused too
+    # every finished run is saved at once: an interrupted benchmark reruns only the missing ones, and the runs
+    # recorded in results.json (committed with the results) are reused too
     runs_dir, results_path = args.out / "runs", args.out / "results.json"
     runs_dir.mkdir(exist_ok=True)
     recorded = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
@@ -745,44 +1086,54 @@ def main(argv: list[str] | None = None) -> int:
             save_run(runs_dir, run)
             runs.append(run)
             last = run["results"][max(run["results"])]
-            print(f"[{time.perf_counter() - started:6.0f} s] {run['variant']} seed {run['seed']}: "
+            print(f"[{time.perf_counter() - started:6.0f} s] {run['world']} {run['variant']} seed {run['seed']}: "
                   f"{last['train_seconds']:.0f} s training, final loss {last['final_loss']:.4f}", flush=True)
         pool.close()  # let the workers exit on their own: the terminate() of `with` can deadlock on idle ones
         pool.join()
 
     from imba.plots import plot_monitor
 
-    world = PairWorld()
-    summary = summarise(runs, world)
-    gaps = {"equal steps": gap_closed(runs, world, lengths, compute=False),
-            "equal compute": gap_closed(runs, world, lengths, compute=True)}
-    failures = failure_table(runs, world, lengths[-1])
-    report = markdown_report(summary, gaps, failures, variants, lengths, len(seeds))
-    levers = levers_summary(runs, world)
-    levers["against_imba"] = levers_against_imba(runs, world, lengths)
-    if levers["summary"]:
-        report += levers_report(levers, variants)
-        levers_plots(levers, runs, variants, args.out)
-    bar_plot(summary, variants, lengths, args.out / "composition.png")
-    curves = monitor_curves(runs)
-    if curves:
-        plot_monitor(curves, args.out / "monitor.png", ylabel="mean IMBA distance d over the object's tokens",
-                     title="IMBA distance per bucket of the object's pair during training (mean over seeds)")
-    nmi = stream_nmi(world, args.pool)
-    print("colour-shape NMI of the training streams: " + ", ".join(f"{k} {v:.4f}" for k, v in nmi.items()))
+    judges = judge_reports({"oracle": oracle_path, **({"second oracle": oracle_b} if oracle_b else {})})
+    report = f"Command: `python bench/composition.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
+    report += judge_report(judges)
+    per_world: dict = {}
+    summaries_prompt: dict = {}
+    for world in worlds:
+        mine = [r for r in runs if r["world"] == world]
+        summaries = {m: summarise(mine, m) for m in METRICS}
+        gaps = {(t, m): gap_closed(mine, lengths, compute=c, metric=m)
+                for t, c in (("equal steps", False), ("equal compute", True)) for m in ("per_pair", "per_pair_half")}
+        exposure = exposure_tables(mine, lengths[-1])
+        failures = failure_table(mine, lengths[-1])
+        facts = run_facts(mine, lengths[-1])
+        report += world_report(world, summaries, gaps, failures, exposure, facts, variants, lengths, len(seeds))
+        levers = levers_summary(mine)
+        levers["against_imba"] = levers_against_imba(mine, lengths)
+        if levers["summary"] and any(is_lever(v) for v in variants):
+            report += levers_report(levers, variants)
+            levers_plots(levers, mine, variants, args.out)
+        curves = monitor_curves(mine)
+        if curves:
+            plot_monitor(curves, args.out / f"monitor_{world}.png",
+                         ylabel="mean IMBA distance d over the object's tokens",
+                         title=f"{world}: IMBA distance per bucket of the object's pair (mean over seeds)")
+        summaries_prompt[world] = summaries["per_pair"]
+        per_world[world] = {
+            "summary": {m: {str(k): v for k, v in s.items()} for m, s in summaries.items()},
+            "gap_closed": {f"{t}, {m}": {str(k): v for k, v in table.items()} for (t, m), table in gaps.items()},
+            "exposure": exposure, "failures": failures, "facts": facts, "distance_curves": curves,
+            "levers": {"summary": {str(k): v for k, v in levers["summary"].items()},
+                       "relations": {str(k): v for k, v in levers["relations"].items()},
+                       "against_imba": {str(k): v for k, v in levers["against_imba"].items()}}}
+    bar_plot(summaries_prompt, variants, lengths[-1], args.out / "composition.png")
+    exposure_plot(runs, lengths[-1], variants, args.out / "exposure.png")
     payload = {
         "command": "python bench/composition.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "attribute_nmi": nmi,
-        "seeds": seeds, "lengths": lengths, "per_pair": per_pair, "sampling_steps": args.sampling_steps,
-        "variants": variants, "oracle": oracle_report, "wall_seconds": time.perf_counter() - started,
-        "buckets": {pair_name(p): b for p, b in world.buckets.items()},
-        "pool_tiles": {pair_name(p): n for p, n in world.pool_counts(args.pool).items()},
-        "summary": {str(k): v for k, v in summary.items()},
-        "gap_closed": {t: {str(k): v for k, v in table.items()} for t, table in gaps.items()},
-        "failures": failures, "distance_curves": curves, "runs": runs,
-        "levers": {"summary": {str(k): v for k, v in levers["summary"].items()},
-                   "relations": {str(k): v for k, v in levers["relations"].items()},
-                   "against_imba": {str(k): v for k, v in levers["against_imba"].items()}},
+        "seeds": seeds, "lengths": lengths, "worlds": worlds, "scenes": scenes, "fixed_ranks": args.fixed_ranks,
+        "per_pair": per_pair, "sampling_steps": args.sampling_steps, "variants": variants, "oracle": oracle_report,
+        "judges": judges, "wall_seconds": time.perf_counter() - started,
+        "pool_tiles": {w: {pair_name(p): n for p, n in PairWorld(w).pool_counts(args.pool).items()} for w in worlds},
+        "worlds_results": per_world, "runs": runs,
     }
     results_path.write_text(json.dumps(payload, indent=1))
     (args.out / "results.md").write_text(report)

@@ -86,13 +86,13 @@ def stream_objects(joint: torch.Tensor, colours: torch.Tensor, shapes: torch.Ten
     joint.view(-1).index_add_(0, colours * joint.shape[1] + shapes, torch.ones(len(colours), dtype=joint.dtype))
 
 
-def run_numbers(run: dict, length: int, world: PairWorld) -> dict | None:
+def run_numbers(run: dict, length: int) -> dict | None:
     """Composition success per bucket, the stream's colour–shape NMI and `diagnostic_numbers` of one run at one
     length (None where the run was not evaluated there, or has no diagnostics)."""
     result = run["results"].get(length)
     if not result or "diagnostics" not in result:
         return None
-    return {**bucket_success(result["per_pair"], world), "attribute_nmi": result["attribute_nmi"],
+    return {**bucket_success(result["per_pair"], run["buckets"]), "attribute_nmi": result["attribute_nmi"],
             **diagnostic_numbers(result["diagnostics"])}
 
 

@@ -4,14 +4,18 @@ generated scenes, the probe prompts the benchmark evaluates on and the success p
 
 A *pair* is one (colour, shape) object. A tile is a 16 × 16 RGB render of one pair (`data.synthetic.render_objects`);
 a scene is two tiles side by side (16 × 32), captioned "a <colour> <shape> and a <colour> <shape>", left object
-first. Colours and shapes are Zipf-distributed independently (listed head first) with a steep exponent, so the pool
-holds thousands of tiles of the head pairs and only a handful of the tail pairs; a few pairs are *held out*: each of
-their concepts is seen with other partners, never together.
+first. Two worlds (`PairWorld`): in "concept_tail" colours and shapes are Zipf-distributed independently with a steep
+exponent (a rare pair is a pair of rare words); in "pair_tail" every colour and shape is about equally frequent and
+their combinations are long-tailed (a rare pair of common words). Either way the pool holds hundreds to thousands of
+tiles of the head pairs and 8 of the rarest; a few pairs are *held out*: each of their concepts is seen with other
+partners, never together. Which colour and shape take which frequency rank is permuted per seed.
 
-Two streams draw scenes from the *same* tile pool:
+Three streams draw objects from the *same* tile pool:
 - long-tailed: each tile uniformly from the pool, so a pair appears as often as it is in the pool;
-- pair-balanced (the control a balancing method is measured against): each tile by drawing a seen pair uniformly,
-  then one of its tiles uniformly; every seen pair appears equally often, from the same images.
+- pair-balanced (the control a balancing method is measured against): a seen pair uniformly, then one of its tiles;
+- concept-balanced: a seen pair from the pool's table with uniform colour and shape marginals, then one of its tiles.
+Scenes are composed at batch time from two drawn tiles ("online"), or once per seed into a fixed pool of scenes
+(`ScenePool`, "fixed"), from which a stream draws per object and trains on the whole scene that holds it.
 
 Data levers (the systematic-generalisation work on data distributional properties), each on the long-tailed stream:
 - colour diversity: extra pool tiles in one of `HUES` hues around the colour wheel, each hue a caption word of its
@@ -47,46 +51,99 @@ SIZE_RANGE = (0.55, 0.8)  # object side as a fraction of the tile: large enough 
 ZIPF = 2.0
 POOL_TILES = 8192
 MIN_TILES = 8  # every seen pair has at least this many tiles in the pool (the balanced stream draws from them)
-# (colour index, shape index): never shown in training; each concept is seen with other partners
+# (colour rank, shape rank), rank 0 the most frequent: never shown in training; each concept is seen with other
+# partners. In the identity world (seed None) ranks are the listed order, so these are blue cross, yellow square, ...
 HELD_OUT = ((1, 3), (3, 1), (4, 2), (5, 0), (6, 4), (7, 1))
+# the second world: a pair's frequency falls by PAIR_DECAY per level (colour rank + shape rank) mod 5, so every
+# colour has one pair at each level; the held-out pairs are six of the rarest level, one per colour rank 1-7 but 2
+HELD_OUT_PAIR_TAIL = ((1, 3), (3, 1), (4, 0), (5, 4), (6, 3), (7, 2))
+PAIR_DECAY = 4.0
+WORLDS = ("concept_tail", "pair_tail")
 HUES = 64  # the colour-diversity lever's extra colours: colour index len(COLOURS) + k is hue k of HUES
 BUCKETS = ("head", "torso", "tail", "held_out")
 FAILURES = ("missing_object", "colour_on_wrong_shape", "other")
+STREAMS = ("long_tailed", "pair_balanced", "concept_balanced")
+
+
+def permutation(n: int, generator: torch.Generator) -> tuple[int, ...]:
+    return tuple(torch.randperm(n, generator=generator).tolist())
+
+
+def balance_marginals(weights: torch.Tensor, iterations: int = 500) -> torch.Tensor:
+    """The table closest to `weights` (colours × shapes, zeros kept) whose row and column sums are uniform
+    (Sinkhorn scaling: a_c · b_s · weights), normalised to sum 1."""
+    table = weights.to(torch.float64).clone()
+    rows, cols = table.shape
+    for _ in range(iterations):
+        table = table / table.sum(1, keepdim=True) / rows
+        table = table / table.sum(0, keepdim=True) / cols
+    return table / table.sum()
 
 
 @dataclass(frozen=True)
 class PairWorld:
     """Pair probabilities of the training distribution and the benchmark's buckets (head / torso / tail by the
-    training frequency of the pair, in thirds of the seen pairs; held-out pairs on their own)."""
+    training frequency of the pair, in thirds of the seen pairs; held-out pairs on their own).
 
+    kind "concept_tail": colours and shapes each Zipf(`zipf`)-distributed and independent, so a rare pair is a pair of
+    rare words. kind "pair_tail": every colour and every shape about equally frequent (the table's marginals are made
+    uniform), their combinations long-tailed (a factor PAIR_DECAY per level), so a rare pair is a pair of common words.
+    `seed`: None keeps the listed order of COLOURS and SHAPES as their frequency ranks; an integer permutes which
+    colour and which shape takes each rank (and so which named pairs are held out) from the seed, so a concept's
+    difficulty to draw is not tied to its frequency."""
+
+    kind: str = "concept_tail"
+    seed: int | None = None
     zipf: float = ZIPF
-    held_out: tuple[tuple[int, int], ...] = HELD_OUT
+    colour_rank: tuple[int, ...] = field(init=False)  # colour index → its frequency rank
+    shape_rank: tuple[int, ...] = field(init=False)
+    held_out: tuple[tuple[int, int], ...] = field(init=False)
     pairs: list[tuple[int, int]] = field(init=False)
     probs: torch.Tensor = field(init=False)
     buckets: dict[tuple[int, int], str] = field(init=False)
 
     def __post_init__(self) -> None:
-        def zipf(n: int) -> torch.Tensor:
-            w = torch.tensor([1.0 / (k + 1) ** self.zipf for k in range(n)], dtype=torch.float64)
-            return w / w.sum()
-
-        colour_p, shape_p = zipf(len(COLOURS)), zipf(len(SHAPES))
+        if self.kind not in WORLDS:
+            raise ValueError(f"unknown world {self.kind!r}; choose one of {', '.join(WORLDS)}")
+        if self.seed is None:
+            colour_at, shape_at = tuple(range(len(COLOURS))), tuple(range(len(SHAPES)))
+        else:
+            g = torch.Generator().manual_seed(10007 * self.seed + WORLDS.index(self.kind))
+            colour_at, shape_at = permutation(len(COLOURS), g), permutation(len(SHAPES), g)
+        colour_rank = tuple(colour_at.index(c) for c in range(len(COLOURS)))
+        shape_rank = tuple(shape_at.index(s) for s in range(len(SHAPES)))
+        ranks = HELD_OUT if self.kind == "concept_tail" else HELD_OUT_PAIR_TAIL
+        held_out = tuple((colour_at[rc], shape_at[rs]) for rc, rs in ranks)
         pairs = [(c, s) for c in range(len(COLOURS)) for s in range(len(SHAPES))]
-        probs = torch.tensor([0.0 if p in self.held_out else float(colour_p[p[0]] * shape_p[p[1]]) for p in pairs],
-                             dtype=torch.float64)
+        table = torch.zeros(len(COLOURS), len(SHAPES), dtype=torch.float64)
+        for c, s in pairs:
+            if (c, s) in held_out:
+                continue
+            rc, rs = colour_rank[c], shape_rank[s]
+            table[c, s] = (1.0 / ((rc + 1) * (rs + 1)) ** self.zipf if self.kind == "concept_tail"
+                           else PAIR_DECAY ** -((rc + rs) % len(SHAPES)))
+        if self.kind == "pair_tail":
+            table = balance_marginals(table)
+        probs = torch.tensor([float(table[p]) for p in pairs], dtype=torch.float64)
         probs = probs / probs.sum()
-        seen = sorted((p for p in pairs if p not in self.held_out), key=lambda p: -float(probs[pairs.index(p)]))
+        # ties (the second world has many) are broken by rank, then name: deterministic
+        seen = sorted((p for p in pairs if p not in held_out),
+                      key=lambda p: (-round(float(probs[pairs.index(p)]), 12), colour_rank[p[0]], shape_rank[p[1]]))
         third = len(seen) // 3
-        buckets = {p: "held_out" for p in self.held_out}
+        buckets = {p: "held_out" for p in held_out}
         for rank, p in enumerate(seen):
             buckets[p] = "head" if rank < third else ("tail" if rank >= len(seen) - third else "torso")
-        object.__setattr__(self, "pairs", pairs)
-        object.__setattr__(self, "probs", probs)
-        object.__setattr__(self, "buckets", buckets)
+        for name, value in (("colour_rank", colour_rank), ("shape_rank", shape_rank), ("held_out", held_out),
+                            ("pairs", pairs), ("probs", probs), ("buckets", buckets)):
+            object.__setattr__(self, name, value)
 
     @property
     def seen(self) -> list[tuple[int, int]]:
         return [p for p in self.pairs if self.buckets[p] != "held_out"]
+
+    @property
+    def bucket_of_name(self) -> dict[str, str]:
+        return {pair_name(p): b for p, b in self.buckets.items()}
 
     def prob(self, pair: tuple[int, int]) -> float:
         return float(self.probs[self.pairs.index(pair)])
@@ -130,12 +187,13 @@ def probe_prompts(world: PairWorld, per_pair: int) -> list[tuple[tuple[int, int]
     return out
 
 
-def bucket_success(per_pair: dict, world: PairWorld) -> dict:
-    """Mean success over the pairs of each bucket, and over all seen pairs."""
+def bucket_success(per_pair: dict, buckets: dict[str, str]) -> dict:
+    """Mean success over the pairs of each bucket, and over all seen pairs; `buckets`: pair name → its bucket
+    (`PairWorld.bucket_of_name`)."""
     out = {}
     for bucket in BUCKETS:
-        out[bucket] = statistics.fmean(per_pair[pair_name(p)] for p in world.pairs if world.buckets[p] == bucket)
-    out["all_seen"] = statistics.fmean(per_pair[pair_name(p)] for p in world.seen)
+        out[bucket] = statistics.fmean(per_pair[name] for name, b in buckets.items() if b == bucket)
+    out["all_seen"] = statistics.fmean(per_pair[name] for name, b in buckets.items() if b != "held_out")
     return out
 
 
@@ -179,11 +237,29 @@ class TilePool:
     def __len__(self) -> int:
         return len(self.pair_of_tile)
 
-    def draw(self, n: int, balanced: bool, generator: torch.Generator) -> torch.Tensor:
-        """n tile indices: uniformly from the pool (long-tailed), or a uniform seen pair then a uniform tile of it."""
-        if not balanced:
+    def pair_probs(self, stream: str) -> torch.Tensor:
+        """Probability of each seen pair (in `self.seen` order) per drawn object: "long_tailed" its share of the
+        pool's tiles, "pair_balanced" uniform, "concept_balanced" the pool's table with its colour and shape
+        marginals made uniform (`balance_marginals`)."""
+        counts = torch.tensor([float(len(t)) for t in self.tiles_of_pair], dtype=torch.float64)
+        if stream == "long_tailed":
+            return counts / counts.sum()
+        if stream == "pair_balanced":
+            return torch.full_like(counts, 1.0 / len(counts))
+        if stream == "concept_balanced":
+            table = torch.zeros(len(COLOURS), len(SHAPES), dtype=torch.float64)
+            for (c, s), n in zip(self.seen, counts.tolist()):
+                table[c, s] = n
+            table = balance_marginals(table)
+            return torch.tensor([float(table[p]) for p in self.seen], dtype=torch.float64)
+        raise ValueError(f"unknown stream {stream!r}; choose one of {', '.join(STREAMS)}")
+
+    def draw(self, n: int, stream: str, generator: torch.Generator) -> torch.Tensor:
+        """n tile indices, one per object: uniformly from the pool (long-tailed), or a seen pair from `pair_probs`
+        then a uniform tile of it."""
+        if stream == "long_tailed":
             return torch.randint(len(self), (n,), generator=generator)
-        which = torch.randint(len(self.seen), (n,), generator=generator).tolist()
+        which = torch.multinomial(self.pair_probs(stream), n, replacement=True, generator=generator).tolist()
         picks = torch.rand(n, generator=generator)
         return torch.stack([self.tiles_of_pair[k][int(u * len(self.tiles_of_pair[k]))]
                             for k, u in zip(which, picks.tolist())])
@@ -204,6 +280,41 @@ class TilePool:
     def scenes(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         """(B, 3, 16, 32): tile `left[i]` beside tile `right[i]`."""
         return torch.cat([self.images[left], self.images[right]], dim=3)
+
+
+class ScenePool:
+    """Fixed-scene mode: the scenes of one seed composed once from its tile pool, so a stream can only choose among
+    them (as a sampler of a real data set chooses among its images). Two seeded permutations of the tiles give the
+    left and the right halves: every tile is in exactly two scenes, once on each side.
+
+    A long-tailed stream draws a scene uniformly. A balanced stream draws per object: a pair from the tile pool's
+    `pair_probs`, then uniformly one of the (scene, side) slots showing it, and trains on that scene whole, so the
+    drawn half follows the stream and its partner is whatever the scene holds."""
+
+    def __init__(self, tiles: TilePool, seed: int):
+        g = torch.Generator().manual_seed(7919 * seed + 17)
+        self.tiles = tiles
+        self.left, self.right = torch.randperm(len(tiles), generator=g), torch.randperm(len(tiles), generator=g)
+        pair_index = {p: k for k, p in enumerate(tiles.seen)}
+        slots: list[list[int]] = [[] for _ in tiles.seen]  # scene index, + len(self) for the right side
+        for side, halves in enumerate((self.left, self.right)):
+            for scene, tile in enumerate(halves.tolist()):
+                k = pair_index.get(tiles.pair_of_tile[tile])
+                if k is not None:  # hue tiles belong to no seen pair
+                    slots[k].append(scene + side * len(self))
+        self.slots = [torch.tensor(s) for s in slots]
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+    def draw(self, n: int, stream: str, generator: torch.Generator) -> torch.Tensor:
+        """n scene indices."""
+        if stream == "long_tailed":
+            return torch.randint(len(self), (n,), generator=generator)
+        which = torch.multinomial(self.tiles.pair_probs(stream), n, replacement=True, generator=generator).tolist()
+        picks = torch.rand(n, generator=generator).tolist()
+        return torch.tensor([int(self.slots[k][int(u * len(self.slots[k]))]) % len(self)
+                             for k, u in zip(which, picks)])
 
 
 def rotate_hue(images: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
@@ -378,4 +489,27 @@ def oracle_accuracy(oracle: Oracle, generator: torch.Generator, seed: int, test_
         report[f"tile_accuracy{name}"] = right.float().mean().item()
         report[f"pair_accuracy{name}"] = right[obj].float().mean().item()
         report[f"empty_accuracy{name}"] = right[~obj].float().mean().item()
+    return report
+
+
+def oracle_per_class(oracle: Oracle, seed: int = 11, per_class: int = 200) -> dict:
+    """The judge's accuracy per colour and per shape on fresh tiles (`per_class` of every pair's colour or shape,
+    drawn uniformly over the other attribute, held-out pairs included), clean and degraded: where it reads one
+    class worse, success on pairs with that class is read low."""
+    g = torch.Generator().manual_seed(seed)
+    tiles = [(c, s) for c, s in zip(torch.randint(len(COLOURS), (per_class * len(COLOURS) * len(SHAPES),),
+                                                  generator=g).tolist(),
+                                    torch.randint(len(SHAPES), (per_class * len(COLOURS) * len(SHAPES),),
+                                                  generator=g).tolist())]
+    images = render_tiles(tiles, seed, "oracle-per-class")
+    want_c, want_s = _labels(tiles)
+    report: dict = {"tiles": len(tiles)}
+    for name, batch in (("clean", images), ("degraded", _degrade(images, g))):
+        got_c, got_s = oracle.read_tiles(batch)
+        right = (got_c == want_c) & (got_s == want_s)
+        report[name] = {
+            "colour": {COLOURS[c]: right[want_c == c].float().mean().item() for c in range(len(COLOURS))},
+            "shape": {SHAPES[s]: right[want_s == s].float().mean().item() for s in range(len(SHAPES))},
+            "pair": {pair_name((c, s)): right[(want_c == c) & (want_s == s)].float().mean().item()
+                     for c in range(len(COLOURS)) for s in range(len(SHAPES))}}
     return report
