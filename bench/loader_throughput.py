@@ -62,13 +62,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from data.balance import BalanceSettings  # noqa: E402
+from data.draw_plan import plan_draws  # noqa: E402
 from data.index import load_or_build_index  # noqa: E402
 from data.indexed import make_indexed_loader  # noqa: E402
 from data.precompute import PrecomputeSettings, precompute_shards  # noqa: E402
 from data.precomputed import load_manifest, make_precomputed_loader  # noqa: E402
 from data.urls import expand_urls  # noqa: E402
 from data.synthetic import write_synthetic_shards  # noqa: E402
+from data.sources import Source, SourceMix  # noqa: E402
 from data.text_states import TEXT_DTYPES  # noqa: E402
+from data.weighted import StreamBatchSampler, WeightedOrder  # noqa: E402
 from real_size_features import state_errors, write_feature_set  # noqa: E402
 
 DEFAULTS = dict(samples=2000, samples_per_shard=250, resolution=256, batch_size=32, num_workers=[0, 2], repeats=5)
@@ -216,12 +220,31 @@ class Reader:
     group: str = ""  # the shard set (real-size mode: "256px-float16", ...)
     cache: str = "warm"  # "warm" or "cold" (the set's pages evicted before each run)
     threads: int = 0  # reader threads of the precomputed loader (in the main process; workers is then 0)
+    weighted: bool = False  # drawn by the weighted stream (--weighted) instead of the uniform order
     rates: list[float] = field(default_factory=list)
     samples: int = 0
 
     @property
     def median(self) -> float:
         return statistics.median(self.rates)
+
+
+def weighted_stream(data: dict[str, Any], args) -> WeightedOrder:
+    """The weighted stream a run with data.sources + data.balance draws over the precomputed shards: the first half
+    of the shards one source (30 % of the draws), the rest another (70 %), balanced by temperature (alpha 1) from
+    the stored captions; the plan is stored in the cache folder like a run's."""
+    paths = sorted(expand_urls(data["precomputed"]))
+    if len(paths) < 2:
+        raise ValueError("--weighted splits the shards into two sources: it needs 2 shards or more")
+    half = len(paths) // 2
+    sources = [Source("first", paths[:half], 0.3, None), Source("second", paths[half:], 0.7, None)]
+    index = load_or_build_index(paths)
+    mix = SourceMix(sources, index.nsamples)
+    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0),
+                      Path(args.cache_dir).expanduser() / f"plan-{_digest(*paths)}")
+    print(f"weighted stream: {plan.report['sources'][0]['samples']} + {plan.report['sources'][1]['samples']} samples "
+          f"at 30 / 70 %, largest repeat {plan.report['largest_repeat']['draws_per_epoch']:.2f}x per epoch", flush=True)
+    return WeightedOrder(plan.units, plan.samples_per_epoch, seed=0)
 
 
 def build_readers(args, data: dict[str, Any], group: str = "",
@@ -247,6 +270,13 @@ def build_readers(args, data: dict[str, Any], group: str = "",
 
     def make_threaded(threads: int):
         return make_precomputed_loader(data["precomputed"], args.batch_size, num_threads=threads, manifest=manifest)
+
+    weighted_order = weighted_stream(data, args) if args.weighted else None
+
+    def make_weighted(workers: int):
+        sampler = StreamBatchSampler(weighted_order, args.batch_size)
+        return make_precomputed_loader(data["precomputed"], args.batch_size, num_workers=workers, manifest=manifest,
+                                       sampler=sampler)
 
     def make_image(workers: int):
         return make_indexed_loader(data["images"], manifest["resolution"], args.batch_size, num_workers=workers,
@@ -287,6 +317,13 @@ def build_readers(args, data: dict[str, Any], group: str = "",
                     lambda w=w, make=make, data_name=data_name, before=before: time_loader(
                         make, w, info[data_name]["timed_batches"], args.batch_size, before),
                     group, cache))
+            if data_name == "precomputed" and weighted_order is not None:
+                for w in args.num_workers:
+                    readers.append(Reader(
+                        f"{where}precomputed_weighted_w{w}", "precomputed loader, weighted stream", data_name,
+                        "loader", w, lambda w=w, before=before: time_loader(
+                            make_weighted, w, info["precomputed"]["timed_batches"], args.batch_size, before),
+                        group, cache, weighted=True))
             if data_name == "precomputed":
                 for t in args.threads:
                     readers.append(Reader(
@@ -330,7 +367,8 @@ def summarise(readers: list[Reader], infos: dict[str, dict[str, Any]]) -> dict[s
     sets of each group. Ratios are keyed by "[group/][cold/]workers"."""
     by_name = {r.name: r for r in readers}
     results = []
-    ratios: dict[str, dict[str, float]] = {"precomputed_vs_raw": {}, "image_vs_raw": {}, "precomputed_vs_image": {}}
+    ratios: dict[str, dict[str, float]] = {"precomputed_vs_raw": {}, "image_vs_raw": {}, "precomputed_vs_image": {},
+                                           "weighted_vs_raw": {}, "weighted_vs_uniform": {}}
     for r in readers:
         prefix = _prefix(r)
         raw = by_name[f"{prefix}raw_tar_{r.data}"]
@@ -341,10 +379,14 @@ def summarise(readers: list[Reader], infos: dict[str, dict[str, Any]]) -> dict[s
                "ratio_to_raw": r.median / raw.median}
         if r.kind == "loader":
             row["mb_per_s_per_worker"] = row["median_mb_per_s"] / max(1, r.workers, r.threads)
-            key = "precomputed_vs_raw" if r.data == "precomputed" else "image_vs_raw"
+            key = "weighted_vs_raw" if r.weighted else "precomputed_vs_raw" if r.data == "precomputed" else "image_vs_raw"
             ratios[key][f"{prefix}{f't{r.threads}' if r.threads else r.workers}"] = row["ratio_to_raw"]
+            uniform = by_name.get(f"{prefix}precomputed_loader_w{r.workers}")
+            if r.weighted and uniform is not None:
+                row["ratio_to_uniform"] = r.median / uniform.median
+                ratios["weighted_vs_uniform"][f"{prefix}{r.workers}"] = row["ratio_to_uniform"]
             image = by_name.get(f"{prefix}image_loader_w{r.workers}")
-            if r.data == "precomputed" and image is not None and not r.threads:
+            if r.data == "precomputed" and image is not None and not r.threads and not r.weighted:
                 speedup = r.median / image.median
                 row["speedup_over_image_loader"] = speedup
                 ratios["precomputed_vs_image"][f"{prefix}{r.workers}"] = speedup
@@ -366,7 +408,9 @@ def print_table(summary: dict[str, Any]) -> None:
     print("\n(MB/s = samples/s × shard file bytes per sample of that set.)")
     for key, what in (("precomputed_vs_raw", "precomputed loader ÷ raw tar read of the precomputed shards"),
                       ("image_vs_raw", "image loader ÷ raw tar read of the image shards"),
-                      ("precomputed_vs_image", "precomputed loader ÷ image loader (speed-up)")):
+                      ("precomputed_vs_image", "precomputed loader ÷ image loader (speed-up)"),
+                      ("weighted_vs_raw", "precomputed loader, weighted stream ÷ raw tar read"),
+                      ("weighted_vs_uniform", "weighted stream ÷ uniform order, same loader")):
         if summary["ratios"][key]:
             print(f"{what}: " + ", ".join(f"{v:.3f}× ({k} workers)" for k, v in summary["ratios"][key].items()))
 
@@ -404,6 +448,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="real-size mode: storage of the T5 states (default float16 int8)")
     p.add_argument("--max-text-tokens", type=int, help="real-size mode: caption length limit (default 120, "
                                                        "PixArt-alpha's)")
+    p.add_argument("--weighted", action="store_true",
+                   help="also time the precomputed loader drawing the weighted stream of data.sources + data.balance "
+                        "(the shards as two sources, 30 %% / 70 %% of the draws, temperature balance, alpha 1)")
     p.add_argument("--cold", action="store_true",
                    help="also time every reader on a cold page cache (the set's pages evicted before each run)")
     p.add_argument("--out", help="write the results as JSON here")
@@ -507,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "caches": list(caches),
         "settings": {"batch_size": args.batch_size, "num_workers": args.num_workers, "repeats": args.repeats,
                      "batches": args.batches, "smoke": args.smoke, "real_size": args.real_size,
+                     "weighted": args.weighted,
                      "samples": args.samples if not (args.shards or args.precomputed) else None},
         "data": described("") if not args.real_size else {g: described(g) for g in groups},
         "environment": env,

@@ -167,17 +167,32 @@ def build_concept_table(captions: Iterable[str], extractor: Callable, workers: i
 
 
 def entry_counts(table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
-    """c_e: samples with entry e, each counted at its natural draw rate `rate` (default 1)."""
-    per_id = None if rate is None else np.repeat(np.asarray(rate, dtype=np.float64), table.lengths())
-    return np.bincount(table.ids, weights=per_id, minlength=len(table.entries)).astype(np.float64)
+    """c_e: samples with entry e, each counted at its natural draw rate `rate` (default 1). The rate is constant
+    over long runs of samples (a source's), so each run is counted at once, without a weight per entry."""
+    counts = np.zeros(len(table.entries))
+    if rate is None:
+        rate, bounds = np.ones(1), np.array([0, len(table)])
+    else:
+        rate = np.asarray(rate, dtype=np.float64)
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(rate)) + 1, [len(rate)]])
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        counts += rate[a] * np.bincount(table.ids[table.ptr[a]:table.ptr[b]], minlength=len(table.entries))
+    return counts
+
+
+ROWS_AT_ONCE = 1 << 20  # samples whose entries are gathered at once: bounds the memory of the reductions
 
 
 def _reduce_rows(values: np.ndarray, table: ConceptTable, ufunc: np.ufunc, empty: float) -> np.ndarray:
-    """ufunc.reduce of `values` (one per entry occurrence) over each sample's row; `empty` for rows without any."""
+    """ufunc.reduce of values[entry id] over each sample's entries; `empty` for samples without any."""
     out = np.full(len(table), empty, dtype=np.float64)
-    has = table.lengths() > 0
-    if values.size:
-        out[has] = ufunc.reduceat(values, table.ptr[:-1][has])
+    for a in range(0, len(table), ROWS_AT_ONCE):
+        b = min(a + ROWS_AT_ONCE, len(table))
+        ptr = table.ptr[a:b + 1]
+        has = np.diff(ptr) > 0
+        if has.any():
+            gathered = values[table.ids[ptr[0]:ptr[-1]]]
+            out[a:b][has] = ufunc.reduceat(gathered, (ptr[:-1] - ptr[0])[has])
     return out
 
 
@@ -189,9 +204,9 @@ def balance_factors(table: ConceptTable, settings: BalanceSettings, rate: np.nda
     counts = entry_counts(table, rate)
     head = float(counts.max()) if counts.size else 1.0
     if settings.method == "temperature":
-        rarest = _reduce_rows(counts[table.ids], table, np.minimum, empty=head)
+        rarest = _reduce_rows(counts, table, np.minimum, empty=head)
         return np.power(rarest / head, -settings.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
     keep = np.minimum(1.0, settings.cap / np.maximum(counts, 1e-300))
     log_miss = np.log1p(-np.minimum(keep, 1.0 - 1e-16))  # log(1 - p_e); p_e = 1 counts as certain
-    missed = _reduce_rows(log_miss[table.ids], table, np.add, empty=np.log1p(-min(1.0, settings.cap / head)))
+    missed = _reduce_rows(log_miss, table, np.add, empty=np.log1p(-min(1.0, settings.cap / head)))
     return -np.expm1(missed)

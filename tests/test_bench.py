@@ -124,3 +124,39 @@ def test_toy2d_experiment_runs_as_a_script_from_the_repo_root(tmp_path):
     assert "| steps | plain_balanced | imba_cond |" in out
     assert "python bench/toy2d.py" in (tmp_path / "toy2d_results.md").read_text()
     assert (tmp_path / "toy2d.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_balance_cost_smoke_mode_times_each_stage_in_its_own_process(tmp_path):
+    import json
+
+    out = tmp_path / "cost.json"
+    printed = run("balance_cost.py", "--smoke", "--cache-dir", str(tmp_path / "cache"), "--out", str(out))
+    r = json.loads(out.read_text())
+    w = r["weights"]
+    assert w["samples"] == 20_000 and w["entries"] > 1000 and w["entry_occurrences"] > w["samples"]
+    assert w["total_s"] >= w["extract_s"] > 0 and w["self_mb"] > 0 and w["workers_mb"] > 0  # 2 worker processes
+    assert [s["samples"] for s in r["sampler"]] == [1_000, 10_000]
+    assert all(s["batch_ms_median"] > 0 for s in r["sampler"])
+    assert "weights of 20,000 captions" in printed
+    captions = (tmp_path / "cache" / "captions-20000.txt").read_text().splitlines()
+    assert len(captions) == 20_000 and len(set(captions)) > 10_000  # a long tail, not a handful of templates
+
+
+@pytest.mark.slow
+def test_loader_throughput_weighted_stream_is_timed_against_the_uniform_order(tmp_path):
+    import json
+
+    results = tmp_path / "results.json"
+    run("loader_throughput.py", "--smoke", "--weighted", "--cache-dir", str(tmp_path / "cache"), "--out",
+        str(results))
+    r = json.loads(results.read_text())
+    rows = {row["name"]: row for row in r["results"]}
+    for w in (0, 1):
+        weighted, uniform = rows[f"precomputed_weighted_w{w}"], rows[f"precomputed_loader_w{w}"]
+        assert weighted["ratio_to_uniform"] == pytest.approx(
+            weighted["median_samples_per_s"] / uniform["median_samples_per_s"], rel=1e-12)
+        assert r["ratios"]["weighted_vs_raw"][str(w)] == weighted["ratio_to_raw"]
+    plans = list((tmp_path / "cache").glob("plan-*/draws.json"))
+    assert len(plans) == 1
+    assert [s["share"] for s in json.loads(plans[0].read_text())["sources"]] == pytest.approx([0.3, 0.7])

@@ -258,3 +258,16 @@ def test_image_shards_mixed_with_precomputed_ones_are_refused(two_sets, tmp_path
     with pytest.raises(ValueError, match=r"source1's features were made with other settings .*max_text_tokens=10"):
         check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a")), SourceConfig(str(tmp_path / "b"))]))
     assert check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a"))]))["max_text_tokens"] == 12
+
+
+def test_weights_computed_in_blocks_of_rows_equal_the_whole(monkeypatch):
+    import data.balance as balance
+
+    table = table_of(["a red circle", "", "a blue cross and a red ring", "nothing known"] * 10)
+    rate = np.repeat([1.0, 3.0], 20)  # two sources' rates
+    for settings in (BalanceSettings("temperature", alpha=0.7), BalanceSettings("cap", cap=3)):
+        whole = balance_factors(table, settings, rate)
+        monkeypatch.setattr(balance, "ROWS_AT_ONCE", 3)  # blocks that start and end on captionless rows
+        assert np.array_equal(balance_factors(table, settings, rate), whole)
+        monkeypatch.undo()
+    assert entry_counts(table, rate)[table.entries.index("cross")] == 5 * 1.0 + 5 * 3.0  # 5 crosses per source
