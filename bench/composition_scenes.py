@@ -493,9 +493,9 @@ def oracle_accuracy(oracle: Oracle, generator: torch.Generator, seed: int, test_
 
 
 def oracle_per_class(oracle: Oracle, seed: int = 11, per_class: int = 200) -> dict:
-    """The judge's accuracy per colour and per shape on fresh tiles (`per_class` of every pair's colour or shape,
-    drawn uniformly over the other attribute, held-out pairs included), clean and degraded: where it reads one
-    class worse, success on pairs with that class is read low."""
+    """The judge's accuracy per colour, shape and pair on fresh tiles (about `per_class` tiles of every pair,
+    colour and shape drawn uniformly, held-out pairs included), clean and degraded: where it reads one class worse,
+    success on pairs with that class is read low."""
     g = torch.Generator().manual_seed(seed)
     tiles = [(c, s) for c, s in zip(torch.randint(len(COLOURS), (per_class * len(COLOURS) * len(SHAPES),),
                                                   generator=g).tolist(),

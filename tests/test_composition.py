@@ -15,9 +15,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import composition  # noqa: E402
 from composition_diagnostics import pearson, world_features  # noqa: E402
-from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHAPES, Oracle,  # noqa: E402
-                                PairWorld, TilePool, WordEncoder, caption, colour_value, judge, oracle_accuracy,
-                                pair_name, probe_prompts, render_tiles, rotate_hue, train_oracle)
+from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHAPES, WORLDS, Oracle,  # noqa: E402
+                                PairWorld, ScenePool, TilePool, WordEncoder, balance_marginals, caption,
+                                colour_value, judge, oracle_accuracy, oracle_per_class, pair_name, probe_prompts,
+                                render_tiles, rotate_hue, train_oracle)
 
 
 def test_world_holds_out_pairs_and_splits_the_seen_ones_in_thirds():
@@ -51,8 +52,8 @@ def test_streams_draw_the_same_pool_long_tailed_or_pair_balanced():
     assert pool.images.shape == (len(pool), 3, 16, 16)
     g = torch.Generator().manual_seed(0)
     n = 20000
-    tail = pool.draw(n, balanced=False, generator=g)
-    balanced = pool.draw(n, balanced=True, generator=g)
+    tail = pool.draw(n, "long_tailed", generator=g)
+    balanced = pool.draw(n, "pair_balanced", generator=g)
     assert int(tail.min()) >= 0 and int(tail.max()) < len(pool) and int(balanced.max()) < len(pool)
 
     def share(indices, pair):
@@ -142,7 +143,10 @@ def test_importance_weights_turn_the_pool_into_the_balanced_stream_in_expectatio
 
 def test_controls_and_levers_train_on_to_the_equal_compute_lengths():
     assert composition.train_lengths("plain", [1000]) == [1000, 1300, 2000]
-    assert composition.train_lengths("plain_balanced_eps", [100, 200]) == [100, 130, 200, 260, 400]
+    # the longest length times each cost: shorter ones are read by interpolation between these points
+    assert composition.train_lengths("plain_balanced_eps", [100, 200]) == [100, 200, 260, 400]
+    assert composition.train_lengths("plain_concept_balanced", [1000, 1500], factors=(1.3,)) == [1000, 1500, 1950]
+    assert composition.train_lengths("importance", [1000]) == [1000]
     assert composition.train_lengths("imba_target", [1000]) == [1000]
     assert composition.train_lengths("inverse_freq", [1000]) == [1000]  # a loss-side baseline, not a reference
     assert composition.train_lengths("plain_hues", [1000], factors=(1.3,)) == [1000, 1300]
@@ -184,7 +188,7 @@ def test_the_colour_diversity_lever_adds_hue_tiles_with_the_worlds_shape_distrib
 def test_the_burstiness_lever_gives_the_second_object_the_first_ones_colour():
     pool = TilePool(PairWorld(), seed=0, tiles=600)
     g = torch.Generator().manual_seed(0)
-    left, others = pool.draw(400, False, g), pool.draw(400, False, g)
+    left, others = pool.draw(400, "long_tailed", g), pool.draw(400, "long_tailed", g)
     always = pool.same_colour(left, 1.0, others, g)
     assert torch.equal(pool.colour_of_tile[always], pool.colour_of_tile[left])
     assert torch.equal(pool.same_colour(left, 0.0, others, g), others)
@@ -236,8 +240,9 @@ def test_half_distances_split_the_token_grid_into_left_and_right():
     assert left.tolist() == [(0 + 1 + 4 + 5) / 4] * 2 and right.tolist() == [(2 + 3 + 6 + 7) / 4] * 2
 
 
-def _runs(world, values):
-    """Fake finished runs: {(variant, length): {seed: success on tail pairs}}, 1.0 everywhere else."""
+def _runs(world, values, cost=None):
+    """Fake finished runs: {(variant, length): {seed: success on tail pairs}}, 1.0 everywhere else; the probed
+    half reads right whenever the prompt does, and on tail pairs 0.1 more. Compute = length × the variant's cost."""
     runs = {}
     for (variant, length), seeds in values.items():
         for seed, tail in seeds.items():
@@ -245,8 +250,13 @@ def _runs(world, values):
             failures = {pair_name(p): {"missing_object": 1, "colour_on_wrong_shape": 0, "other": 0}
                         for p in world.pairs}
             run = runs.setdefault((variant, seed), {"variant": variant, "seed": seed, "results": {},
-                                                    "settings": {"per_pair": 4}})
-            run["results"][length] = {"per_pair": per_pair, "failures": failures}
+                                                    "settings": {"per_pair": 4}, "world": world.kind,
+                                                    "buckets": world.bucket_of_name})
+            c = (cost or {}).get(variant, composition.relative_cost(variant))
+            run["results"][length] = {"per_pair": per_pair, "failures": failures, "compute": c * length,
+                                      "train_seconds": 0.01 * c * length,
+                                      "per_pair_half": {k: min(1.0, v + 0.1) if v < 1 else v
+                                                        for k, v in per_pair.items()}}
     return list(runs.values())
 
 
@@ -256,7 +266,7 @@ def test_levers_are_compared_with_each_imba_form_at_its_compute():
                          ("plain_hues", 200): {0: 0.9, 1: 0.9},
                          ("imba_target_tnorm_efficient", 100): {0: 0.4, 1: 0.4},
                          ("imba_target", 100): {0: 0.6, 1: 0.8}, ("plain", 100): {0: 0.1, 1: 0.1}})
-    table = composition.levers_against_imba(runs, world, [100])[100]
+    table = composition.levers_against_imba(runs, [100])[100]
     assert set(table) == {"plain_hues vs imba_target_tnorm_efficient", "plain_hues vs imba_target"}
     efficient = table["plain_hues vs imba_target_tnorm_efficient"]
     assert efficient["lever_steps"] == 130 and efficient["seeds"] == [0, 1]
@@ -267,50 +277,191 @@ def test_levers_are_compared_with_each_imba_form_at_its_compute():
     assert efficient["buckets"]["head"] == (0.0, 0.0)
 
 
-def test_summary_and_gap_closed_pair_the_seeds_and_use_the_equal_compute_controls():
+def test_summary_and_gap_closed_pair_the_seeds_and_interpolate_the_controls_at_equal_compute():
     world = PairWorld()
     runs = _runs(world, {
         ("plain", 100): {0: 0.2, 1: 0.4}, ("plain", 200): {0: 0.3, 1: 0.5},
         ("plain_balanced", 100): {0: 0.6, 1: 0.8}, ("plain_balanced", 200): {0: 0.8, 1: 1.0},
-        ("imba_target", 100): {0: 0.4, 1: 0.6},
+        ("imba_target", 100): {0: 0.4, 1: 0.6}, ("imba_target_efficient", 100): {0: 0.4, 1: 0.6},
     })
-    summary = composition.summarise(runs, world)
+    summary = composition.summarise(runs)
     mean, half = summary[100]["plain"]["tail"]
     assert math.isclose(mean, 0.3) and math.isclose(half, 12.706 * math.sqrt(0.02) / math.sqrt(2))
     assert summary[100]["plain"]["head"] == (1.0, 0.0)
-    steps = composition.gap_closed(runs, world, [100], compute=False)[100]["imba_target"]
-    assert steps["reference_steps"] == 100 and steps["seeds"] == [0, 1]
+    assert composition.summarise(runs, "per_pair_half")[100]["plain"]["tail"][0] == pytest.approx(0.4)
+    steps = composition.gap_closed(runs, [100], compute=False)[100]["imba_target"]
+    assert steps["reference"] == 100 and steps["seeds"] == [0, 1]
     assert steps["buckets"]["tail"]["gain"] == pytest.approx((0.2, 0.0))
     assert steps["buckets"]["tail"]["gap"] == pytest.approx((0.4, 0.0))
     assert steps["buckets"]["tail"]["fraction"] == pytest.approx(0.5)
+    # every pair and seed closes half of its gap: so does every bootstrap draw
+    assert steps["buckets"]["tail"]["fraction_ci"] == pytest.approx((0.5, 0.5))
     assert steps["buckets"]["head"]["fraction"] is None  # no gap on the head: no fraction
     uncertain = composition.gap_closed(_runs(world, {
         ("plain", 100): {0: 0.2, 1: 0.4}, ("plain_balanced", 100): {0: 0.9, 1: 0.45},
-        ("imba_target", 100): {0: 0.4, 1: 0.6}}), world, [100], compute=False)[100]["imba_target"]
+        ("imba_target", 100): {0: 0.4, 1: 0.6}}), [100], compute=False)[100]["imba_target"]
     assert uncertain["buckets"]["tail"]["fraction"] is None  # a gap whose interval reaches 0
-    compute = composition.gap_closed(runs, world, [100], compute=True)[100]["imba_target"]
+    compute = composition.gap_closed(runs, [100], compute=True)[100]
     # literal IMBA costs 2 plain steps: compared with the controls at 200 steps (gap 0.5, gain 0.1)
-    assert compute["reference_steps"] == 200
-    assert compute["buckets"]["tail"]["fraction"] == pytest.approx(0.1 / 0.5)
-    failures = composition.failure_table(runs, world, 100)
+    assert compute["imba_target"]["reference"] == 200
+    assert compute["imba_target"]["buckets"]["tail"]["fraction"] == pytest.approx(0.1 / 0.5)
+    # the efficient one 1.3: the controls read 30 % of the way from their 100 to their 200 steps evaluation
+    efficient = compute["imba_target_efficient"]["buckets"]["tail"]
+    assert compute["imba_target_efficient"]["reference"] == pytest.approx(130)
+    assert efficient["gain"][0] == pytest.approx(0.5 - 0.33) and efficient["gap"][0] == pytest.approx(0.76 - 0.33)
+    failures = composition.failure_table(runs, 100)
     assert failures["plain"]["tail"] == {"missing_object": 0.25, "colour_on_wrong_shape": 0.0, "other": 0.0}
-    report = composition.markdown_report(summary, {"equal compute": {100: {"imba_target": compute}}}, failures,
-                                         ["plain", "plain_balanced", "imba_target"], [100], seeds=2)
-    assert "| plain | 100.0 ± 0.0 | 100.0 ± 0.0 | 30.0 ± " in report
-    assert "| plain_balanced @ 200 steps |" in report
-    assert "| imba_target | 200 | 0.0 ± 0.0 | 50.0 ± 0.0 | 10.0 ± 0.0 | 20 % |" in report
+    gaps = {("equal compute", "per_pair"): {100: compute}}
+    report = composition.world_report("concept_tail", {m: composition.summarise(runs, m) for m in composition.METRICS},
+                                      gaps, failures, {}, composition.run_facts(runs, 100),
+                                      ["plain", "plain_balanced", "imba_target"], [100], seeds=2)
+    assert "| plain @ 100 | 100.0 ± 0.0 | 100.0 ± 0.0 | 30.0 ± " in report
+    assert "| plain_balanced @ 200 |" in report and "| imba_target @ 200 |" not in report
+    assert "| imba_target | 200 | 0.0 ± 0.0 | 50.0 ± 0.0 | 10.0 ± 0.0 | 20 % [20, 20] |" in report
+    assert "| imba_target | 2.000 |" in report  # counted compute per step
 
 
-def test_bar_plot_draws_the_equal_steps_and_equal_compute_panels_and_rejects_an_empty_summary(tmp_path):
-    from PIL import Image
+def test_at_compute_interpolates_between_evaluations_and_refuses_to_extrapolate():
+    run = {"results": {100: {"compute": 100.0, "m": {"a": 0.2}}, 200: {"compute": 200.0, "m": {"a": 0.6}}}}
+    assert composition.at_compute(run, 150.0, "m")["a"] == pytest.approx(0.4)
+    assert composition.at_compute(run, 201.0, "m") == {"a": 0.6}  # within 2 %: the evaluation itself
+    assert composition.at_compute(run, 260.0, "m") is None and composition.at_compute(run, 50.0, "m") is None
 
-    cells = {b: (0.5, 0.1) for b in composition.BUCKETS}
-    summary = {100: {"plain": cells, "imba_cond": cells}, 200: {"plain": cells}}
-    composition.bar_plot(summary, ["plain", "imba_cond"], [100], tmp_path / "composition.png")
-    with Image.open(tmp_path / "composition.png") as img:
-        assert img.format == "PNG" and img.size == (2 * 620 + 60, 520 + 26 + 40)  # two panels, one legend row
-    with pytest.raises(ValueError, match="nothing to draw"):
-        composition.bar_plot({}, ["plain"], [], tmp_path / "none.png")
+
+def test_bootstrap_interval_of_a_fraction_resamples_seeds_and_pairs():
+    gains = [[0.1, 0.3], [0.2, 0.4], [0.0, 0.2]]
+    gaps = [[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]
+    lo, hi = composition.bootstrap_fraction(gains, gaps)
+    assert lo < 0.4 < hi and 0.0 <= lo and hi <= 0.8  # the mean gain 0.2 of a 0.5 gap, spread by the draws
+    assert composition.bootstrap_fraction(gains, gaps) == (lo, hi)  # seeded: the same interval every time
+    assert composition.bootstrap_fraction(gains[:1], gaps[:1]) is None
+    assert composition.bootstrap_fraction([[0.1, 0.1]] * 3, [[0.5, -0.5]] * 3) is None  # the gap vanishes often
+
+
+def test_half_weighted_loss_weighs_each_half_by_its_own_object():
+    pred, target = torch.zeros(2, 3, 16, 32), torch.zeros(2, 3, 16, 32)
+    pred[..., :16] = 1.0  # error 1 on every left pixel, 0 on the right
+    pred[..., 16:] = 2.0  # error 4 on every right pixel
+    left, right = torch.tensor([2.0, 0.0]), torch.tensor([0.5, 1.0])
+    loss = composition.half_weighted_loss(pred, target, left, right)
+    # scene 0: (2·1 + 0.5·4) / 2, scene 1: (0·1 + 1·4) / 2; mean over scenes
+    assert loss.item() == pytest.approx(((2 + 2) / 2 + 4 / 2) / 2)
+    assert composition.half_weighted_loss(pred, target, torch.ones(2), torch.ones(2)).item() == pytest.approx(2.5)
+
+
+def test_selection_noise_dropout_and_lever_draws_come_from_generators_of_their_own():
+    roles = ("select", "noise", "drop", "lever")
+    firsts = {torch.rand(4, generator=composition.generator_for(s, r)).sum().item() for s in range(5) for r in roles}
+    assert len(firsts) == 20  # no two (seed, role) share a sequence
+    a, b = composition.generator_for(3, "noise"), composition.generator_for(3, "noise")
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+
+
+def test_worlds_draw_ranks_and_held_out_pairs_from_the_seed():
+    for kind in WORLDS:
+        worlds = [PairWorld(kind, seed) for seed in range(5)]
+        assert PairWorld(kind, 3).held_out == worlds[3].held_out  # from the seed alone
+        assert len({w.held_out for w in worlds}) == 5 and len({w.colour_rank for w in worlds}) == 5
+        reference = sorted(PairWorld(kind).probs.tolist())
+        for w in worlds:
+            # the same frequency structure, other names at each rank
+            assert sorted(w.probs.tolist()) == pytest.approx(reference)
+            counts = {b: sum(w.buckets[p] == b for p in w.seen) for b in ("head", "torso", "tail")}
+            assert counts == {"head": 11, "torso": 12, "tail": 11} and len(w.held_out) == 6
+            for c, s in w.held_out:
+                assert w.prob((c, s)) == 0
+                assert any(w.prob((c, o)) > 0 for o in range(len(SHAPES)))
+                assert any(w.prob((o, s)) > 0 for o in range(len(COLOURS)))
+    assert PairWorld().held_out == HELD_OUT  # no seed: the listed order, the first recordings' world
+
+
+def test_the_pair_tail_world_has_equal_concepts_and_long_tailed_pairs():
+    world = PairWorld("pair_tail", 0)
+    table = torch.zeros(len(COLOURS), len(SHAPES), dtype=torch.float64)
+    for p in world.pairs:
+        table[p] = world.prob(p)
+    assert table.sum(1).tolist() == pytest.approx([1 / len(COLOURS)] * len(COLOURS), rel=1e-6)
+    assert table.sum(0).tolist() == pytest.approx([1 / len(SHAPES)] * len(SHAPES), rel=1e-6)
+    seen = [world.prob(p) for p in world.seen]
+    assert max(seen) / min(seen) > 100  # the pairs are long-tailed all the same
+    # the held-out pairs are of the rarest kind: every other pair of theirs is seen, each word is common
+    counts = world.pool_counts()
+    assert max(counts.values()) > 50 * min(counts.values()) and min(counts.values()) == MIN_TILES
+    concept = PairWorld("concept_tail", 0)
+    marginal = [sum(concept.prob((c, s)) for s in range(len(SHAPES))) for c in range(len(COLOURS))]
+    assert max(marginal) / min(marginal) > 20  # the first world: rare words
+
+
+def test_balance_marginals_makes_rows_and_columns_uniform_and_keeps_zeros():
+    weights = torch.tensor([[8.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    table = balance_marginals(weights)
+    assert table.sum(1).tolist() == pytest.approx([0.5, 0.5]) and table.sum(0).tolist() == pytest.approx([1 / 3] * 3)
+    assert table[0, 2] == 0
+
+
+def test_concept_balanced_stream_draws_uniform_colours_and_shapes():
+    world = PairWorld("concept_tail", 1)
+    pool = TilePool(world, seed=1, tiles=600)
+    n = 20000
+    drawn = pool.draw(n, "concept_balanced", torch.Generator().manual_seed(0))
+    colours = torch.bincount(pool.colour_of_tile[drawn], minlength=len(COLOURS)).double() / n
+    shapes = torch.bincount(pool.shape_of_tile[drawn], minlength=len(SHAPES)).double() / n
+    assert colours.tolist() == pytest.approx([1 / len(COLOURS)] * len(COLOURS), abs=0.012)
+    assert shapes.tolist() == pytest.approx([1 / len(SHAPES)] * len(SHAPES), abs=0.012)
+    assert not {pool.pair_of_tile[i] for i in drawn.tolist()} & set(world.held_out)
+
+
+def test_fixed_scenes_hold_every_tile_once_per_side_and_balanced_draws_choose_among_them():
+    world = PairWorld("concept_tail", 2)
+    pool = TilePool(world, seed=2, tiles=600)
+    scenes = ScenePool(pool, seed=2)
+    assert len(scenes) == len(pool)
+    assert sorted(scenes.left.tolist()) == list(range(len(pool))) == sorted(scenes.right.tolist())
+    assert torch.equal(ScenePool(pool, seed=2).left, scenes.left)  # composed from the seed alone
+    n = 20000
+    g = torch.Generator().manual_seed(0)
+    rare = min(world.seen, key=world.prob)
+
+    def share_with(chosen, pair):
+        return sum(pool.pair_of_tile[int(scenes.left[i])] == pair or pool.pair_of_tile[int(scenes.right[i])] == pair
+                   for i in chosen.tolist()) / n
+
+    uniform, balanced = scenes.draw(n, "long_tailed", g), scenes.draw(n, "pair_balanced", g)
+    assert int(balanced.max()) < len(scenes)
+    # the drawn half is the rare pair 1 / 34 of the time (8 of 742 tiles: 2 % of uniform scenes hold it), from
+    # only the 2 × 8 scenes that hold its tiles
+    balanced_share = share_with(balanced, rare)
+    assert balanced_share >= 1 / len(world.seen) - 0.005 and balanced_share > 1.5 * share_with(uniform, rare)
+    holding = {i for i in range(len(scenes)) if rare in (pool.pair_of_tile[int(scenes.left[i])],
+                                                         pool.pair_of_tile[int(scenes.right[i])])}
+    assert len(holding) <= 2 * MIN_TILES
+
+
+def test_exposure_tables_bin_pairs_and_read_concepts_by_rank_and_name():
+    world = PairWorld("concept_tail", 0)
+    names = [pair_name(p) for p in world.pairs]
+    run = {"variant": "plain", "seed": 0, "buckets": world.bucket_of_name,
+           "held_out": [pair_name(p) for p in world.held_out],
+           "ranks": {"colour": {COLOURS[c]: r for c, r in enumerate(world.colour_rank)},
+                     "shape": {SHAPES[s]: r for s, r in enumerate(world.shape_rank)}},
+           "results": {10: {"exposure": {n: (0 if world.buckets[p] == "held_out" else 50 if world.buckets[p] == "tail"
+                                             else 5000) for n, p in zip(names, world.pairs)},
+                            "per_pair_half": {n: (0.2 if world.buckets[p] == "tail" else 0.9)
+                                              for n, p in zip(names, world.pairs)}}}}
+    table = composition.exposure_tables([run], 10)["plain"]
+    assert table["bins"]["0-100"] == (pytest.approx(0.2), 11) and table["bins"]["3000-10000"][1] == 23
+    top_colour = COLOURS[world.colour_rank.index(0)]
+    assert table["colour_rank"]["0"] == table["colour"][top_colour]
+    assert len(table["held_out"]) == 6
+
+
+def test_the_shipped_oracles_are_read_per_class():
+    for path in (composition.ORACLE, composition.ORACLE_B):
+        oracle = Oracle()
+        oracle.load_state_dict(torch.load(path, weights_only=True))
+        report = oracle_per_class(oracle, per_class=3)
+        assert set(report["clean"]["colour"]) == set(COLOURS) and set(report["clean"]["shape"]) == set(SHAPES)
+        assert len(report["clean"]["pair"]) == 40 and min(report["clean"]["colour"].values()) >= 0.9
 
 
 @pytest.mark.slow
@@ -339,38 +490,52 @@ def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, caps
     oracle, report = train_oracle(steps=20, pool_size=200, test_size=50)
     torch.save(oracle.state_dict(), tmp_path / "judge.pt")
     (tmp_path / "judge.json").write_text(json.dumps(report))
-    argv = ["--variants", "plain", "plain_balanced", "imba_cond_tnorm", "inverse_freq", "--seeds", "0",
-            "--steps", "4", "--per-pair", "2", "--pool", "300", "--batch-size", "4", "--workers", "1",
+    argv = ["--variants", "plain", "plain_balanced", "plain_concept_balanced", "imba_cond_tnorm", "importance",
+            "--seeds", "0", "--steps", "4", "--per-pair", "2", "--pool", "300", "--batch-size", "4", "--workers", "1",
             "--out", str(tmp_path), "--oracle", str(tmp_path / "judge.pt"), "--sampling-steps", "2"]
     assert composition.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lengths"] == [4] and results["oracle"] == report and results["sampling_steps"] == 2
-    assert {r["variant"] for r in results["runs"]} == {"plain", "plain_balanced", "imba_cond_tnorm", "inverse_freq"}
+    assert results["worlds"] == list(WORLDS) and results["scenes"] == "fixed"
+    assert set(results["judges"]) == {"oracle", "second oracle"}  # the shipped second oracle reads beside
+    variants = {"plain", "plain_balanced", "plain_concept_balanced", "imba_cond_tnorm", "importance"}
+    assert {(r["world"], r["variant"]) for r in results["runs"]} == {(w, v) for w in WORLDS for v in variants}
     for run in results["runs"]:
         want = {"4", "8"} if run["variant"].startswith("plain") else {"4"}  # 8: imba_cond_tnorm's compute
         assert set(run["results"]) == want
-        assert 0 <= run["results"]["4"]["attribute_nmi"] < 1
-        assert len(run["results"]["4"]["diagnostics"]["blocks"]) == 4
-        rates = run["results"]["4"]["per_pair"]
+        result = run["results"]["4"]
+        assert result["compute"] == pytest.approx(4 * composition.relative_cost(run["variant"]))  # counted
+        assert 0 <= result["attribute_nmi"] < 1 and len(result["diagnostics"]["blocks"]) == 4
+        rates, halves = result["per_pair"], result["per_pair_half"]
         assert len(rates) == 40 and all(r in (0.0, 0.5, 1.0) for r in rates.values())
-        assert all(sum(kinds.values()) == 2 * (1 - rates[p]) for p, kinds in run["results"]["4"]["failures"].items())
-    assert set(results["summary"]) == {"4", "8"}
-    assert "imba_cond_tnorm" in results["gap_closed"]["equal compute"]["4"]
-    assert (tmp_path / "models" / "plain-seed0-8" / "config.json").is_file()
+        assert all(halves[p] >= rates[p] for p in rates)  # a prompt read right has its probed half right
+        assert set(result["per_pair_b"]) == set(rates)
+        assert all(sum(kinds.values()) == 2 * (1 - rates[p]) for p, kinds in result["failures"].items())
+        assert sum(result["exposure"].values()) == 2 * 4 * 4  # two objects a scene, 4 scenes, 4 steps
+        assert all(result["exposure"][n] == 0 for n in run["held_out"])
+        assert result["distinct_scenes"] <= 16 and result["max_tile_repeat"] >= 1
+        assert sorted(run["buckets"].values()).count("held_out") == 6
+    worlds = results["worlds_results"]
+    assert set(worlds["pair_tail"]["summary"]["per_pair_half"]) == {"4", "8"}
+    assert "imba_cond_tnorm" in worlds["concept_tail"]["gap_closed"]["equal compute, per_pair"]["4"]
+    assert "plain_concept_balanced" in worlds["concept_tail"]["gap_closed"]["equal steps, per_pair_half"]["4"]
+    assert (tmp_path / "models" / "pair_tail-plain-seed0-8" / "config.json").is_file()
     text = (tmp_path / "results.md").read_text()
-    assert "| imba_cond_tnorm |" in text and "Failure kinds" in text
-    assert (tmp_path / "composition.png").stat().st_size > 1000
-    assert (tmp_path / "samples_plain_8.png").is_file() and (tmp_path / "samples_imba_cond_tnorm_4.png").is_file()
+    assert "## World `pair_tail`" in text and "| imba_cond_tnorm |" in text and "Failure kinds" in text
+    assert "probed half alone" in text and "Per shape name" in text and "## The judges" in text
+    for name in ("composition.png", "exposure.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    assert (tmp_path / "samples_concept_tail_plain_8.png").is_file()
     # a rerun reuses the saved runs (an interrupted benchmark only redoes what is missing) and reports the same
-    first = results["summary"]
+    first = worlds["concept_tail"]["summary"]
     capsys.readouterr()
     assert composition.main(argv) == 0
-    assert "reusing 4 finished runs" in capsys.readouterr().out
-    assert json.loads((tmp_path / "results.json").read_text())["summary"] == first
+    assert "reusing 10 finished runs" in capsys.readouterr().out
+    assert json.loads((tmp_path / "results.json").read_text())["worlds_results"]["concept_tail"]["summary"] == first
     # a fresh checkout has results.json but no runs/ folder: its recorded runs are reused as well
     shutil.rmtree(tmp_path / "runs")
     assert composition.main(argv) == 0
-    assert "reusing 4 finished runs" in capsys.readouterr().out
+    assert "reusing 10 finished runs" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -382,31 +547,34 @@ def test_levers_smoke_run_reports_the_levers_and_diagnoses_a_saved_model(tmp_pat
             "--workers", "1", "--out", str(tmp_path), "--oracle", str(tmp_path / "judge.pt"), "--sampling-steps", "2"]
     assert composition.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
+    assert results["worlds"] == ["concept_tail"] and results["scenes"] == "online"
     assert sorted(r["variant"] for r in results["runs"]) == sorted(composition.LEVER_VARIANTS)
     lengths = {r["variant"]: set(r["results"]) for r in results["runs"]}
     assert lengths["plain_jitter"] == {"4", "5"} and lengths["imba_target_tnorm_efficient"] == {"4"}
     nmi = {r["variant"]: r["results"]["4"]["attribute_nmi"] for r in results["runs"]}
     assert nmi["plain_hues"] != nmi["plain"]  # more colours, each seen with the world's shapes
-    summary = results["levers"]["summary"]["4"]
-    assert set(summary) == set(composition.LEVER_VARIANTS)
-    assert set(results["levers"]["relations"]["4"]) == {"attribute_nmi", "shape_probe_gap", "colour_probe_gap",
-                                                        "shape_probe_held_out", "cka_held_out"}
+    levers = results["worlds_results"]["concept_tail"]["levers"]
+    assert set(levers["summary"]["4"]) == set(composition.LEVER_VARIANTS)
+    assert set(levers["relations"]["4"]) == {"attribute_nmi", "shape_probe_gap", "colour_probe_gap",
+                                             "shape_probe_held_out", "cka_held_out"}
     text = (tmp_path / "results.md").read_text()
     assert "| plain_bursty @ 5 |" in text and "Does held-out composition track them?" in text
-    assert "| plain_hues @ 5 steps |" in text  # the levers at the efficient estimator's compute
-    against = results["levers"]["against_imba"]["4"]["plain_jitter vs imba_target_tnorm_efficient"]
+    against = levers["against_imba"]["4"]["plain_jitter vs imba_target_tnorm_efficient"]
     assert against["lever_steps"] == 5 and against["seeds"] == [0]
     assert "| plain_jitter vs imba_target_tnorm_efficient | 5 |" in text
     for name in ("levers.png", "blocks.png"):
         assert (tmp_path / name).stat().st_size > 5000
     # the command on a model the benchmark saved
-    assert composition.main(["--diagnose", str(tmp_path / "models" / "plain_hues-seed0-5"),
+    assert composition.main(["--diagnose", str(tmp_path / "models" / "concept_tail-plain_hues-seed0-5"),
                              "--out", str(tmp_path / "diag")]) == 0
     diag = json.loads((tmp_path / "diag" / "diagnostics.json").read_text())
     assert diag["groups"] == {"head": 44, "torso": 48, "tail": 44, "held_out": 24} and diag["rows"] == 320
     assert (tmp_path / "diag" / "diagnostics.png").stat().st_size > 5000
     with pytest.raises(SystemExit, match="no saved model"):
         composition.main(["--diagnose", str(tmp_path), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--scenes online"):
+        composition.main([*argv, "--variants", "plain_bursty", "--scenes", "fixed", "--workers", "1",
+                          "--out", str(tmp_path / "fixed")])
 
 
 @pytest.mark.slow
@@ -418,26 +586,28 @@ def test_the_quick_levers_experiment(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lengths"] == [400] and results["per_pair"] == 4
     assert sorted(r["variant"] for r in results["runs"]) == sorted(composition.LEVER_VARIANTS)
-    assert set(results["levers"]["summary"]) == {"400", "520"}
+    assert set(results["worlds_results"]["concept_tail"]["levers"]["summary"]) == {"400", "520"}
     assert "| plain_hues @ 400 |" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.slow
-def test_the_quick_benchmark_trains_the_control_the_balanced_control_and_the_best_imba_form(tmp_path):
-    """`python bench/composition.py --quick` as a user runs it: judged by the shipped oracle, plain,
-    plain_balanced and the best IMBA form for 1,000 steps on seed 0, evaluated and tabulated (about 4.5 min on 2
-    cores, bench/README.md)."""
+def test_the_quick_benchmark_trains_the_three_streams_and_the_efficient_imba_form_in_both_worlds(tmp_path):
+    """`python bench/composition.py --quick` as a user runs it: judged by the shipped oracles, plain on the
+    long-tailed, pair-balanced and concept-balanced streams of fixed scenes and the efficient IMBA form, 400 steps on
+    seed 0 in both worlds (the streams on to 520), evaluated and tabulated."""
     assert composition.main(["--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["oracle"] == json.loads(composition.ORACLE.with_suffix(".json").read_text())
-    assert results["lengths"] == [1000] and results["sampling_steps"] == composition.SAMPLING_STEPS
-    assert sorted(r["variant"] for r in results["runs"]) == sorted(composition.QUICK_VARIANTS)
-    assert {"plain", "plain_balanced"} <= set(composition.QUICK_VARIANTS)
+    assert results["lengths"] == composition.QUICK_STEPS and results["sampling_steps"] == composition.SAMPLING_STEPS
+    assert sorted((r["world"], r["variant"]) for r in results["runs"]) == sorted(
+        (w, v) for w in WORLDS for v in composition.QUICK_VARIANTS)
+    assert {"plain", "plain_balanced", "plain_concept_balanced"} <= set(composition.QUICK_VARIANTS)
+    length = str(composition.QUICK_STEPS[0])
     for run in results["runs"]:
-        rates = run["results"]["1000"]["per_pair"]
+        rates = run["results"][length]["per_pair"]
         assert len(rates) == 40 and all(0.0 <= r <= 1.0 for r in rates.values())
-    assert "imba_target_tnorm" in results["gap_closed"]["equal steps"]["1000"]
-    assert set(results["attribute_nmi"]) == {"long_tailed", "balanced"}
-    assert all(0 <= v < 0.2 for v in results["attribute_nmi"].values())  # 34 of 40 pairs seen: nearly independent
-    assert "| imba_target_tnorm |" in (tmp_path / "results.md").read_text()
+    for world in WORLDS:
+        gaps = results["worlds_results"][world]["gap_closed"]["equal compute, per_pair"][length]
+        assert {"plain_concept_balanced", "imba_target_tnorm_efficient"} <= set(gaps)
+    assert "| imba_target_tnorm_efficient |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "composition.png").stat().st_size > 1000
