@@ -206,6 +206,8 @@ def _save_parts(accelerator: Accelerator, folder: Path) -> None:
         path = rank_file(folder, accelerator.process_index)
         path.parent.mkdir(exist_ok=True)
         torch.save({name: obj.state_dict() for name, obj in parts.per_rank.items()}, path)
+        with open(path, "rb") as written:  # on disk before the barrier: its node's flush may have run already
+            os.fsync(written.fileno())
 
 
 @contextlib.contextmanager
