@@ -48,7 +48,10 @@ def seed_differences(runs: list[dict], a: str, la: int, b: str, lb: int, names: 
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     world = PairWorld()
     runs = json.loads((BENCH / "composition_results" / "results.json").read_text())["runs"]
     names = {b: [pair_name(p) for p in world.pairs if world.buckets[p] == b] for b in world.buckets.values()}
