@@ -37,7 +37,8 @@ from .index import ShardIndex
 from .sources import SourceMix
 from .weighted import UNIT, expected_draws_to_units
 
-__all__ = ["PLAN_VERSION", "DrawPlan", "plan_draws", "index_captions", "describe_plan"]
+__all__ = ["PLAN_VERSION", "DrawPlan", "plan_draws", "plan_fingerprint", "load_plan", "index_captions",
+           "describe_plan", "plot_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,18 @@ def index_captions(index: ShardIndex, caption_field: str = "caption") -> Iterato
         yield from [""] * max(0, expected - got)
 
 
-def _fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceSettings, extractor: Any) -> str:
+def _extractor(balance: BalanceSettings, extractor: Callable | None) -> Callable | None:
+    if extractor is None and balance.method != "none":
+        from .concepts import default_extractor
+
+        return default_extractor()
+    return extractor
+
+
+def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceSettings,
+                     extractor: Callable | None = None) -> str:
+    """What the stored plan must have been made for to be reused: shards, sources, epoch, balance, vocabulary."""
+    extractor = _extractor(balance, extractor)
     describe = getattr(extractor, "describe", lambda: {"name": type(extractor).__name__})
     parts = {
         "version": PLAN_VERSION,
@@ -106,15 +118,12 @@ def plan_draws(
     """The run's draw plan, from `folder` when its fingerprint still holds, else computed and written there.
 
     `captions` (default: read from the shards) returns the captions in index order; only `data.balance` reads
-    them. Call it in one process (the main one) and let the others `load_plan` the folder after a barrier."""
+    them. Call it in one process (the main one); the others wait for `load_plan(folder, plan_fingerprint(...))`."""
     if mix.num_samples != len(index):
         raise ValueError(f"the sources hold {mix.num_samples} samples, the index {len(index)}")
     balance.check()
-    if extractor is None and balance.method != "none":
-        from .concepts import default_extractor
-
-        extractor = default_extractor()
-    fingerprint = _fingerprint(index, mix, balance, extractor)
+    extractor = _extractor(balance, extractor)
+    fingerprint = plan_fingerprint(index, mix, balance, extractor)
     plan = load_plan(folder, fingerprint)
     if plan is not None:
         return plan

@@ -271,3 +271,16 @@ def test_weights_computed_in_blocks_of_rows_equal_the_whole(monkeypatch):
         assert np.array_equal(balance_factors(table, settings, rate), whole)
         monkeypatch.undo()
     assert entry_counts(table, rate)[table.entries.index("cross")] == 5 * 1.0 + 5 * 3.0  # 5 crosses per source
+
+
+def test_captions_that_do_not_match_the_shards_are_refused_and_a_damaged_plan_is_recomputed(two_sets, tmp_path):
+    root, big, small = two_sets
+    index, mix = mix_of([SourceConfig(str(root / "big")), SourceConfig(str(root / "small"))])
+    settings = BalanceSettings("temperature", alpha=1.0)
+    with pytest.raises(ValueError, match="cover 119 captions, the shards 120 samples"):
+        plan_draws(index, mix, settings, tmp_path, captions=lambda: iter(["a red circle"] * 119))
+    plan = plan_draws(index, mix, settings, tmp_path)
+    np.save(tmp_path / "draws.npy", plan.units[:-1])  # a draws file that does not hold every sample
+    assert load_plan(tmp_path) is None
+    again = plan_draws(index, mix, settings, tmp_path)
+    assert np.array_equal(again.units, plan.units) and load_plan(tmp_path) is not None

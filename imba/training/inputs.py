@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 from accelerate import Accelerator
 
 from data.balance import BalanceSettings
 from data.concepts import CaptionBucketer, collect_stats, extractor_from_stats, write_stats
-from data.draw_plan import DrawPlan, describe_plan, load_plan, plan_draws, plot_plan
+from data.draw_plan import DrawPlan, describe_plan, load_plan, plan_draws, plan_fingerprint, plot_plan
 from data.files import read_json_object, write_json
 from data.buckets import assign_buckets, bucket_sizes
 from data.index import ShardIndex, load_or_build_index
@@ -31,6 +33,7 @@ from imba.training.resume import batches_done
 FEATURES_DIR = "features"  # <train.output_dir>/features/{train,val}: data.precompute=true's encoded shards
 SOURCE_NAME = "source.json"  # which input shards (and their sizes and times) a features folder was encoded from
 PLAN_DIR = "data"  # <train.output_dir>/data: the draw plan of data.sources / data.balance and its report
+PLAN_POLL_S = 1.0  # how often the other ranks look for the plan the main process is computing
 
 
 def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[str]:
@@ -122,11 +125,13 @@ def precompute_once(cfg: Config, accelerator: Accelerator, out: Path, shards: li
 
 
 def precompute_sources(cfg: Config, accelerator: Accelerator, out: Path, sources: list[Source]) -> list[Source]:
-    """Each source's shards encoded once (`precompute_once`): features/train/ for one source, features/train-NAME/
-    for each of several."""
-    several = len(sources) > 1
-    return [Source(s.name, precompute_once(cfg, accelerator, out, s.urls, f"train-{s.name}" if several else "train"),
-                   s.share, s.repeat) for s in sources]
+    """Each source's shards encoded once (`precompute_once`): features/train/ for one source, features/train-I-NAME/
+    for source I of several."""
+    def folder(i: int, name: str) -> str:
+        return f"train-{i}-" + re.sub(r"[^A-Za-z0-9._-]", "_", name) if len(sources) > 1 else "train"
+
+    return [Source(s.name, precompute_once(cfg, accelerator, out, s.urls, folder(i, s.name)), s.share, s.repeat)
+            for i, s in enumerate(sources)]
 
 
 def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> tuple[DrawPlan, ShardIndex]:
@@ -143,17 +148,20 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> t
         raise ConfigError(str(err)) from err
     stats = cfg.train.concept_stats
     extractor = extractor_from_stats(stats) if stats not in ("auto", "none") else None
-    plan = None
+    balance = BalanceSettings(d.balance, d.balance_alpha, d.balance_cap)
     if accelerator.is_main_process:
-        plan = plan_draws(index, mix, BalanceSettings(d.balance, d.balance_alpha, d.balance_cap), folder,
-                          extractor=extractor, caption_field=d.caption_field, progress=True,
-                          workers=min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1)
+        plan = plan_draws(index, mix, balance, folder, extractor=extractor, caption_field=d.caption_field,
+                          progress=True, workers=min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1)
         for line in describe_plan(plan):
             print(line)
         drawn = plot_plan(plan, folder / "draws.png")
         print(f"data: the draw plan is in {folder}/" + (f" (concepts drawn vs natural: {drawn})" if drawn else ""))
+    else:  # polled, not a collective: reading a large set's captions may outlast a process-group timeout
+        fingerprint = plan_fingerprint(index, mix, balance, extractor)
+        while (plan := load_plan(folder, fingerprint)) is None:
+            time.sleep(PLAN_POLL_S)
     accelerator.wait_for_everyone()
-    return plan or load_plan(folder), index
+    return plan, index
 
 
 def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], step: int, saved_world_size: int,
