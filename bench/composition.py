@@ -802,7 +802,7 @@ def exposure_plot(runs: list[dict], length: int, variants: list[str], path: Path
 
     panels = {}
     for world in sorted({r["world"] for r in runs}):
-        series = {}
+        series: dict = {v: [] for v in variants}  # in the variants' order: the same colours as composition.png
         for run in runs:
             r = run["results"].get(length)
             if run["world"] != world or not r or "exposure" not in r or run["variant"] not in variants:
@@ -810,7 +810,8 @@ def exposure_plot(runs: list[dict], length: int, variants: list[str], path: Path
             series.setdefault(run["variant"], []).extend(
                 (math.log10(max(1, n)), 100 * r["per_pair_half"][name]) for name, n in r["exposure"].items()
                 if run["buckets"][name] != "held_out")
-        panels[world] = {"xlabel": "log10 objects of the pair trained on", "series": series}
+        panels[world] = {"xlabel": "log10 objects of the pair trained on",
+                         "series": {v: points for v, points in series.items() if points}}
     plot_series(panels, path, ylabel="probed half read right (%)", scatter=True,
                 title=f"Success of each seen pair against its exposure ({length} steps, one point per pair and run)")
 
