@@ -237,7 +237,7 @@ def weighted_stream(data: dict[str, Any], args) -> WeightedOrder:
     if len(paths) < 2:
         raise ValueError("--weighted splits the shards into two sources: it needs 2 shards or more")
     half = len(paths) // 2
-    sources = [Source("first", paths[:half], 0.3, None), Source("second", paths[half:], 0.7, None)]
+    sources = [Source("first", paths[:half], share=0.3), Source("second", paths[half:], share=0.7)]
     index = load_or_build_index(paths)
     mix = SourceMix(sources, index.nsamples)
     plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0),
@@ -273,10 +273,13 @@ def build_readers(args, data: dict[str, Any], group: str = "",
 
     weighted_order = weighted_stream(data, args) if args.weighted else None
 
-    def make_weighted(workers: int):
+    def make_weighted(workers: int, threads: int = 0):
         sampler = StreamBatchSampler(weighted_order, args.batch_size)
         return make_precomputed_loader(data["precomputed"], args.batch_size, num_workers=workers, manifest=manifest,
-                                       sampler=sampler)
+                                       num_threads=threads, sampler=sampler)
+
+    def make_weighted_threaded(threads: int):
+        return make_weighted(0, threads)
 
     def make_image(workers: int):
         return make_indexed_loader(data["images"], manifest["resolution"], args.batch_size, num_workers=workers,
@@ -324,6 +327,12 @@ def build_readers(args, data: dict[str, Any], group: str = "",
                         "loader", w, lambda w=w, before=before: time_loader(
                             make_weighted, w, info["precomputed"]["timed_batches"], args.batch_size, before),
                         group, cache, weighted=True))
+                for t in args.threads:
+                    readers.append(Reader(
+                        f"{where}precomputed_weighted_t{t}", f"precomputed loader, weighted stream, {t} reader threads",
+                        data_name, "loader", 0, lambda t=t, before=before: time_loader(
+                            make_weighted_threaded, t, info["precomputed"]["timed_batches"], args.batch_size, before),
+                        group, cache, threads=t, weighted=True))
             if data_name == "precomputed":
                 for t in args.threads:
                     readers.append(Reader(
@@ -381,10 +390,11 @@ def summarise(readers: list[Reader], infos: dict[str, dict[str, Any]]) -> dict[s
             row["mb_per_s_per_worker"] = row["median_mb_per_s"] / max(1, r.workers, r.threads)
             key = "weighted_vs_raw" if r.weighted else "precomputed_vs_raw" if r.data == "precomputed" else "image_vs_raw"
             ratios[key][f"{prefix}{f't{r.threads}' if r.threads else r.workers}"] = row["ratio_to_raw"]
-            uniform = by_name.get(f"{prefix}precomputed_loader_w{r.workers}")
+            how = f"t{r.threads}" if r.threads else f"w{r.workers}"
+            uniform = by_name.get(f"{prefix}precomputed_loader_{how}")
             if r.weighted and uniform is not None:
                 row["ratio_to_uniform"] = r.median / uniform.median
-                ratios["weighted_vs_uniform"][f"{prefix}{r.workers}"] = row["ratio_to_uniform"]
+                ratios["weighted_vs_uniform"][f"{prefix}{how.lstrip('w')}"] = row["ratio_to_uniform"]
             image = by_name.get(f"{prefix}image_loader_w{r.workers}")
             if r.data == "precomputed" and image is not None and not r.threads and not r.weighted:
                 speedup = r.median / image.median

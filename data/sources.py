@@ -6,14 +6,15 @@
         - {name: curated, shards: "/data/curated/*.tar", share: 0.3}
 
 A source is a shard spec (anything `data.urls.expand_urls` takes: brace pattern, glob, folder) of image shards or of
-precompute outputs, with either a `share` of the draws or a `repeat` factor:
+precompute outputs, with a `share` of the draws, a `repeat` factor, or a number of draws to `choose`:
 - share: the source gives that fraction of every epoch's draws (shares are normalised to sum to 1). An epoch is
   data.epoch_samples draws, by default as many as the sources hold samples together.
 - repeat: each of the source's samples is drawn that many times per epoch on average (0.5: half of them; 3: three
-  times); the epoch is the sum of repeat x samples over the sources, or data.epoch_samples when set (the repeats are
-  then scaled to fill it).
-All sources give a share, or all give a repeat (neither: repeat 1). The loader reads the sources' shards as one
-index, source after source; `SourceMix` says which index range is which source and each sample's natural draws.
+  times). choose: the source gives that many draws per epoch. The epoch is the sum of the sources' draws (a source
+  with neither gives each sample once), or data.epoch_samples when set (all draws are then scaled to fill it).
+Shares are relative, repeats and choices absolute: all sources give a share, or none does. The loader reads the
+sources' shards as one index, source after source; `SourceMix` says which index range is which source and each
+sample's natural draws.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class SourceConfig:
     name: str = ""  # how the source is named in the logs; default source0, source1, ...
     share: float = 0.0  # fraction of the draws (normalised over the sources); 0 = not given
     repeat: float = 0.0  # draws per sample per epoch; 0 = not given
+    choose: int = 0  # draws per epoch from this source; 0 = not given
 
 
 @dataclass
@@ -45,8 +47,12 @@ class Source:
 
     name: str
     urls: list[str]
-    share: float | None
-    repeat: float | None
+    share: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+
+WEIGHT_KEYS = ("share", "repeat", "choose")
 
 
 def _name(cfg: SourceConfig, i: int) -> str:
@@ -54,25 +60,27 @@ def _name(cfg: SourceConfig, i: int) -> str:
 
 
 def check_source_configs(configs: Sequence[SourceConfig]) -> None:
-    """ValueError (one line) for sources that cannot be mixed: no shards, a weight that is negative, zero where the
-    others are given, or not finite, shares mixed with repeats, a name used twice."""
+    """ValueError (one line) for sources that cannot be mixed: no shards, a weight that is negative or not finite,
+    two weights on one source, shares on some sources only, a name used twice."""
     names = [_name(c, i) for i, c in enumerate(configs)]
     for cfg, name in zip(configs, names):
         if not cfg.shards:
             raise ValueError(f"data.sources: {name} has no shards; give shards: PATTERN")
-        for key in ("share", "repeat"):
+        for key in WEIGHT_KEYS:
             value = getattr(cfg, key)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"data.sources: {name} has {key}={value}; a {key} must be > 0 (or left out)")
-        if cfg.share and cfg.repeat:
-            raise ValueError(f"data.sources: {name} gives both share and repeat; give one")
+        given = [key for key in WEIGHT_KEYS if getattr(cfg, key)]
+        if len(given) > 1:
+            raise ValueError(f"data.sources: {name} gives {' and '.join(given)}; give one")
     if len(set(names)) < len(names):
         raise ValueError(f"data.sources: the names {names} repeat; give each source its own name")
-    given = {key: [bool(getattr(c, key)) for c in configs] for key in ("share", "repeat")}
-    if any(given["repeat"]) and any(given["share"]):
-        raise ValueError("data.sources: give every source a share, or every source a repeat, not both kinds")
-    if any(given["share"]) and not all(given["share"]):
-        missing = [n for n, g in zip(names, given["share"]) if not g]
+    shares = [bool(c.share) for c in configs]
+    if any(shares) and any(c.repeat or c.choose for c in configs):
+        raise ValueError("data.sources: shares are relative, repeat and choose absolute: give every source a share, "
+                         "or none, not both kinds")
+    if any(shares) and not all(shares):
+        missing = [n for n, g in zip(names, shares) if not g]
         raise ValueError(f"data.sources: every source needs a share > 0 when one has one ({', '.join(missing)} "
                          f"has none); a source drawn never is a source left out")
 
@@ -99,7 +107,7 @@ def resolve_sources(configs: Sequence[SourceConfig]) -> list[Source]:
                 raise ValueError(f"data.sources: shard {url} is in both {owner[key]} and {name}; a sample belongs "
                                  f"to one source")
             owner[key] = name
-        sources.append(Source(name, urls, cfg.share or None, cfg.repeat or None))
+        sources.append(Source(name, urls, cfg.share or None, cfg.repeat or None, cfg.choose or None))
     return sources
 
 
@@ -126,8 +134,8 @@ class SourceMix:
             total = int(epoch_samples or self.starts[-1])
             self.draws = total * shares / shares.sum()
         else:
-            repeats = np.asarray([s.repeat or 1.0 for s in self.sources], np.float64)
-            natural = repeats * self.sizes
+            natural = np.asarray([s.choose or (s.repeat or 1.0) * n for s, n in zip(self.sources, self.sizes)],
+                                 np.float64)
             total = int(epoch_samples or max(1, round(natural.sum())))
             self.draws = natural * (total / natural.sum())
         self.samples_per_epoch = total

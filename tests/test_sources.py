@@ -109,6 +109,8 @@ def test_shares_and_repeats_set_each_sources_draws(two_sets):
     assert mix.samples_per_epoch == 180 and list(mix.repeats) == pytest.approx([1, 3])
     _, mix = mix_of([SourceConfig(str(root / "big"), repeat=1), SourceConfig(str(root / "small"), repeat=3)], 90)
     assert mix.samples_per_epoch == 90 and list(mix.repeats) == pytest.approx([0.5, 1.5])  # scaled to fill 90
+    _, mix = mix_of([SourceConfig(str(root / "big"), repeat=0.5), SourceConfig(str(root / "small"), choose=60)])
+    assert mix.samples_per_epoch == 105 and list(mix.draws) == pytest.approx([45, 60])  # absolute kinds mix
     assert list(mix.source_of([0, 89, 90, 119])) == [0, 0, 1, 1]
 
 
@@ -213,11 +215,13 @@ def index_key(index, i):
     (["data.sources=[{shards: a, share: 0}, {shards: b, share: 1}]"], "every source needs a share > 0"),
     (["data.sources=[{shards: a, share: -1}]"], "source0 has share=-1.0; a share must be > 0"),
     (["data.sources=[{shards: a, share: 0.5}, {shards: b, repeat: 2}]"], "not both kinds"),
-    (["data.sources=[{shards: a, share: 0.5, repeat: 2}]"], "gives both share and repeat"),
+    (["data.sources=[{shards: a, share: 0.5}, {shards: b, choose: 20}]"], "not both kinds"),
+    (["data.sources=[{shards: a, share: 0.5, repeat: 2}]"], "source0 gives share and repeat; give one"),
+    (["data.sources=[{shards: a, choose: -5}]"], "source0 has choose=-5; a choose must be > 0"),
     (["data.sources=[{name: x}]"], "x has no shards"),
     (["data.sources=[{shards: a, name: x}, {shards: b, name: x}]"], "the names ['x', 'x'] repeat"),
     (["data.sources=[{shards: a, weight: 2}]"], "unknown config key 'data.sources[0].weight'"),
-    (["data.sources=[a/*.tar]"], "expects a mapping with keys shards, name, share, repeat"),
+    (["data.sources=[a/*.tar]"], "expects a mapping with keys shards, name, share, repeat, choose"),
     (["data.shards=a", "data.sources=[{shards: b}]"], "give data.shards or data.sources, not both"),
     (["data.balance=cap"], "data.balance=cap needs data.balance_cap=T >= 1"),
     (["data.balance=inverse"], "must be one of none, temperature, cap"),

@@ -4,6 +4,7 @@ run's draw plan), and the concept buckets the IMBA monitor labels captions with.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -53,7 +54,7 @@ def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[st
 def training_sources(cfg: Config, accelerator: Accelerator, out: Path) -> list[Source]:
     """data.sources resolved to their shards, else data.shards or the synthetic set as the one source."""
     if not cfg.data.sources:
-        return [Source("shards" if cfg.data.shards else "synthetic", training_shards(cfg, accelerator, out), None, None)]
+        return [Source("shards" if cfg.data.shards else "synthetic", training_shards(cfg, accelerator, out))]
     try:
         sources = resolve_sources(cfg.data.sources)
         check_same_kind(sources)
@@ -130,7 +131,7 @@ def precompute_sources(cfg: Config, accelerator: Accelerator, out: Path, sources
     def folder(i: int, name: str) -> str:
         return f"train-{i}-" + re.sub(r"[^A-Za-z0-9._-]", "_", name) if len(sources) > 1 else "train"
 
-    return [Source(s.name, precompute_once(cfg, accelerator, out, s.urls, folder(i, s.name)), s.share, s.repeat)
+    return [dataclasses.replace(s, urls=precompute_once(cfg, accelerator, out, s.urls, folder(i, s.name)))
             for i, s in enumerate(sources)]
 
 

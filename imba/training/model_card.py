@@ -44,7 +44,8 @@ def _data_line(cfg: Config) -> str:
     d = cfg.data
     if d.sources:
         text = "; ".join(f"`{s.shards}`" + (f" (share {s.share:g})" if s.share else "")
-                         + (f" (repeat {s.repeat:g})" if s.repeat else "") for s in d.sources)
+                         + (f" (repeat {s.repeat:g})" if s.repeat else "")
+                         + (f" ({s.choose} draws per epoch)" if s.choose else "") for s in d.sources)
     elif d.shards:
         text = f"`{d.shards}` (img2dataset-layout tar shards)"
     else:
