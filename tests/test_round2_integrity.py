@@ -188,3 +188,13 @@ def test_an_explicit_checkpoint_must_verify_and_one_without_manifest_is_used_wit
     assert require_intact(good, checksums=False) == good
     with pytest.raises(FileNotFoundError):
         resolve_resume(str(tmp_path / "step_0000077"), tmp_path)
+
+
+def test_fsync_dir_opens_a_directory_and_refuses_a_file(tmp_path):
+    from imba.training.integrity import fsync_dir, fsync_tree
+
+    _tree(tmp_path)
+    fsync_dir(tmp_path)
+    fsync_tree(tmp_path)
+    with pytest.raises(NotADirectoryError):  # O_DIRECTORY: a path that is not a folder is an error, not a no-op
+        fsync_dir(tmp_path / "a.bin")
