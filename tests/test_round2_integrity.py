@@ -198,3 +198,51 @@ def test_fsync_dir_opens_a_directory_and_refuses_a_file(tmp_path):
     fsync_tree(tmp_path)
     with pytest.raises(NotADirectoryError):  # O_DIRECTORY: a path that is not a folder is an error, not a no-op
         fsync_dir(tmp_path / "a.bin")
+
+
+def test_a_manifest_written_again_never_lists_itself(tmp_path):
+    folder = _checkpoint(tmp_path, 1)
+    write_manifest(folder)  # e.g. a save retried into the same folder
+    assert MANIFEST_FILE not in json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    assert verify_checkpoint(folder) is None
+
+
+def test_newest_intact_checks_names_and_sizes_only(tmp_path):
+    _checkpoint(tmp_path, 1)
+    newest = _checkpoint(tmp_path, 2)
+    (newest / "model.safetensors").write_bytes(b"WEIGHTS")  # same size: only a checksum would tell
+    assert newest_intact(tmp_path) == newest
+
+
+def test_an_undecodable_pointer_falls_back_to_the_newest(tmp_path):
+    _checkpoint(tmp_path, 1)
+    newest = _checkpoint(tmp_path, 2)
+    (tmp_path / LATEST).write_bytes(b"step_\xff\xfe\n")
+    assert resolve_resume(LATEST, tmp_path, log=lambda line: None) == newest
+
+
+def test_an_explicit_path_passes_checksums_and_log_through(tmp_path):
+    good = _checkpoint(tmp_path, 1)
+    (good / "model.safetensors").write_bytes(b"WEIGHTS")
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        require_intact(good)  # checksums by default
+    assert resolve_resume(str(good), tmp_path, checksums=False) == good
+    old = _checkpoint(tmp_path, 2, manifest=False)
+    log = []
+    assert resolve_resume(str(old), tmp_path, log=log.append) == old and "unverified" in log[0]
+    with pytest.raises(FileNotFoundError, match=r"checkpoint '.*step_0000009' not found; pass --resume latest"):
+        resolve_resume(str(tmp_path / "step_0000009"), tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint '.*step_0000009' not found$"):
+        require_intact(tmp_path / "step_0000009")
+
+
+def test_the_unverified_hint_is_given_only_for_a_newest_without_manifest(tmp_path):
+    damaged = _checkpoint(tmp_path, 1)
+    (damaged / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(LATEST, tmp_path, log=lambda line: None)
+    assert str(err.value).endswith("missing file model.safetensors)")  # no hint: naming it would not help
+    _checkpoint(tmp_path, 2, manifest=False)
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(LATEST, tmp_path, log=lambda line: None)
+    assert str(err.value).endswith(f"to resume it unverified, name it: train.resume={tmp_path / 'step_0000002'}")
