@@ -110,3 +110,11 @@ def test_bytes_per_token_of_each_format():
     assert bytes_per_token("int8", 10) == 14 and bytes_per_token("int8", 1) == 5
     with pytest.raises(ValueError, match="text_dtype must be one of"):
         bytes_per_token("float32", 10)
+
+
+def test_a_refused_scale_is_described_in_the_message():
+    values = np.zeros((3, 4), np.int8)
+    with pytest.raises(ValueError, match=r"needs a float32 scale per token \(3,\), found none$"):
+        check_stored(values, None, "int8")
+    with pytest.raises(ValueError, match=r"per token \(3,\), found float64 \(3,\)$"):
+        check_stored(values, np.ones(3, np.float64), "int8")
