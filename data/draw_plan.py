@@ -200,14 +200,15 @@ def describe_plan(plan: DrawPlan) -> list[str]:
     return lines
 
 
-def plot_plan(plan: DrawPlan, path: str | os.PathLike) -> Path | None:
-    """Each concept's draws per epoch, natural vs planned (log scale, most frequent first); None without concepts."""
+def plot_plan(plan: DrawPlan, folder: str | os.PathLike) -> Path | None:
+    """draws.png in `folder`: each concept's draws per epoch, natural vs planned (log scale, most frequent first),
+    and the most boosted combinations; None (nothing drawn) when the plan has no concepts."""
     rows = plan.report.get("concepts")
     if not rows:
         return None
     from .concepts.plot import plot_drawn_vs_natural
 
     combos = plan.report.get("most_boosted_combinations", [])
-    return plot_drawn_vs_natural(rows, path, combinations=combos,
+    return plot_drawn_vs_natural(rows, Path(folder) / PLOT_NAME, combinations=combos,
                                  title=f"Draws per epoch by concept: natural vs {plan.report['balance']['method']}")
 

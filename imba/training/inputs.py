@@ -155,7 +155,7 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> t
                           progress=True, workers=min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1)
         for line in describe_plan(plan):
             print(line)
-        drawn = plot_plan(plan, folder / "draws.png")
+        drawn = plot_plan(plan, folder)
         print(f"data: the draw plan is in {folder}/" + (f" (concepts drawn vs natural: {drawn})" if drawn else ""))
     else:  # polled, not a collective: reading a large set's captions may outlast a process-group timeout
         fingerprint = plan_fingerprint(index, mix, balance, extractor)
