@@ -4,42 +4,19 @@ Using the diffusers class (adaLN-single, cross-attention to T5 tokens, patch emb
 project writes opens in a stock `PixArtAlphaPipeline` (or `PixArtSigmaPipeline`), and PixArt-α/Σ weights fine-tune
 directly.
 
-Presets are named widths/depths; the sample size and caption width come from the VAE and text encoder in use.
+Presets (`models.settings.PRESETS`) are named widths/depths; the sample size and caption width come from the VAE
+and text encoder in use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from diffusers import PixArtTransformer2DModel
-from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+from diffusers.models import attention_processor
 
-
-@dataclass(frozen=True)
-class DiTPreset:
-    num_layers: int
-    num_attention_heads: int
-    attention_head_dim: int
-
-    @property
-    def hidden_size(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-
-PRESETS: dict[str, DiTPreset] = {
-    # The composition benchmark's pixel-space model (bench/composition.py): ~0.7M parameters, seconds per 10 steps.
-    "micro": DiTPreset(num_layers=4, num_attention_heads=3, attention_head_dim=32),
-    # CPU smoke tests and the default run: ~3.7M parameters with a 64-d tiny T5.
-    "tiny": DiTPreset(num_layers=6, num_attention_heads=6, attention_head_dim=32),
-    # DiT-S/2 and DiT-B/2 widths.
-    "small": DiTPreset(num_layers=12, num_attention_heads=6, attention_head_dim=64),
-    "base": DiTPreset(num_layers=12, num_attention_heads=12, attention_head_dim=64),
-    # 28 blocks like PixArt-XL/2, widened to 1472 so the model is 1.0B parameters with 4096-d T5 conditioning.
-    # 23 heads of 64 rather than 16 of 92: head dims that are multiples of 8 keep fused SDPA kernels available.
-    "1b": DiTPreset(num_layers=28, num_attention_heads=23, attention_head_dim=64),
-}
+from models.settings import ATTENTION_PROCESSORS, PRESETS
 
 
 def build_transformer(preset: str, sample_size: int, caption_channels: int, in_channels: int = 4,
@@ -66,10 +43,7 @@ def build_transformer(preset: str, sample_size: int, caption_channels: int, in_c
     )
 
 
-ATTENTION_BACKENDS = {
-    "sdpa": AttnProcessor2_0,  # torch's scaled_dot_product_attention: flash / memory-efficient kernels on GPU
-    "eager": AttnProcessor,  # explicit softmax(QKᵀ)V; a reference, and for debugging
-}
+ATTENTION_BACKENDS = {name: getattr(attention_processor, cls) for name, cls in ATTENTION_PROCESSORS.items()}
 
 
 def apply_speed_settings(transformer: PixArtTransformer2DModel, attention: str = "sdpa",

@@ -14,11 +14,11 @@ from typing import Sequence
 
 import torch
 
+from models.settings import ENCODER_DTYPES
 from models.text_encoder import TextConditioner, load_text_encoder
 from models.vae import encode_images, load_vae, vae_scale_factor
 
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # of the frozen encoders
+DTYPES = {name: getattr(torch, name) for name in ENCODER_DTYPES}  # of the frozen encoders (model.encoder_dtype)
 
 
 class FrozenEncoders:

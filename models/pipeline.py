@@ -11,14 +11,17 @@ import contextlib
 import math
 from pathlib import Path
 
+import diffusers
 import torch
-from diffusers import DiffusionPipeline, PixArtAlphaPipeline, PixArtSigmaPipeline
+from diffusers import DiffusionPipeline
 from PIL import Image
+
+from models.settings import PIPELINE_CLASSES
 
 # The stock pipelines a model is exported for (config key model.pipeline). They differ in what they give the
 # transformer: α passes the image size (micro-conditioning) exactly when the transformer's sample_size is 128, Σ
 # never does; α encodes 120 text tokens by default, Σ 300.
-PIPELINES = {"alpha": PixArtAlphaPipeline, "sigma": PixArtSigmaPipeline}
+PIPELINES = {kind: getattr(diffusers, name) for kind, name in PIPELINE_CLASSES.items()}
 SIZE_CONDITIONED_SAMPLE_SIZE = 128  # the only sample_size for which PixArtAlphaPipeline passes resolution/aspect
 
 

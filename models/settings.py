@@ -1,0 +1,92 @@
+"""The `model` and `speed` sections of the training config, with the DiT presets and the names of what they choose.
+
+This module names things; the modules that build them resolve the names (`dit.py` the presets and attention
+processors, `encoders.py` the dtypes, `pipeline.py` the pipeline classes), so reading and checking a config imports
+neither torch nor diffusers from here.
+
+A config section is a dataclass whose fields are its keys (`model.<field>`), with two class tables beside them,
+read by `imba.training.config`: CHOICES (field -> the values it takes) and RANGES (field -> the numbers it takes,
+written as the error message shows them: ">= 1", "> 0", "in [0, 1)", then optionally " (what a bound means)").
+A section with checks across its fields has `check()`, which raises a one-line ValueError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class DiTPreset:
+    num_layers: int
+    num_attention_heads: int
+    attention_head_dim: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+
+# Named widths and depths (model.preset); the sample size and caption width come from the VAE and text encoder.
+PRESETS: dict[str, DiTPreset] = {
+    # The composition benchmark's pixel-space model (bench/composition.py): ~0.7M parameters, seconds per 10 steps.
+    "micro": DiTPreset(num_layers=4, num_attention_heads=3, attention_head_dim=32),
+    # CPU smoke tests and the default run: ~3.7M parameters with a 64-d tiny T5.
+    "tiny": DiTPreset(num_layers=6, num_attention_heads=6, attention_head_dim=32),
+    # DiT-S/2 and DiT-B/2 widths.
+    "small": DiTPreset(num_layers=12, num_attention_heads=6, attention_head_dim=64),
+    "base": DiTPreset(num_layers=12, num_attention_heads=12, attention_head_dim=64),
+    # 28 blocks like PixArt-XL/2, widened to 1472 so the model is 1.0B parameters with 4096-d T5 conditioning.
+    # 23 heads of 64 rather than 16 of 92: head dims that are multiples of 8 keep fused SDPA kernels available.
+    "1b": DiTPreset(num_layers=28, num_attention_heads=23, attention_head_dim=64),
+}
+
+ENCODER_DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes the frozen T5 and VAE may run in
+PIPELINE_CLASSES = {"alpha": "PixArtAlphaPipeline", "sigma": "PixArtSigmaPipeline"}  # diffusers' stock pipelines
+# diffusers attention processors: torch's scaled_dot_product_attention (flash / memory-efficient kernels on GPU),
+# and the explicit softmax(QKᵀ)V, a reference and for debugging
+ATTENTION_PROCESSORS = {"sdpa": "AttnProcessor2_0", "eager": "AttnProcessor"}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "micro"  # a key of models.dit.PRESETS (micro, tiny, small, base, 1b); ignored when pretrained is set
+    pretrained: str | None = None  # fine-tune: a diffusers PixArt transformer (hub id or folder, e.g. an export)
+    pretrained_subfolder: str = ""  # "transformer" for pipeline repositories (auto-detected for local folders)
+    # the stock pipeline of the grids and the export: alpha (PixArtAlphaPipeline) | sigma (PixArtSigmaPipeline) |
+    # auto (the one model.pretrained's model_index.json names, else alpha); sigma for PixArt-Σ transformer-only
+    # repositories (PixArt-Sigma-XL-2-256x256, -512-MS, -2K-MS)
+    pipeline: str = "auto"
+    # a hub id (google/t5-v1_1-xxl) or a local folder; "tiny-words" (a random tiny T5 with one token per word of the
+    # synthetic shapes: the CPU default's) or "tiny" (a random tiny T5 over bytes, any text: for tests)
+    text_encoder: str = "tiny-words"
+    text_encoder_subfolder: str = ""  # e.g. "text_encoder" inside a PixArt repository
+    tokenizer_subfolder: str = ""  # e.g. "tokenizer" inside a PixArt repository
+    # the CPU default's captions are at most 8 word tokens; set it for a real T5: PixArt-α uses 120, PixArt-Σ 300
+    max_text_tokens: int = 16
+    # "shapes" (the small VAE trained on the synthetic shapes, shipped with the code), "tiny" (random, for tests),
+    # a hub id (stabilityai/sd-vae-ft-ema) or a local folder
+    vae: str = "shapes"
+    vae_subfolder: str = ""
+    encoder_dtype: str = "float32"  # dtype of the frozen T5 and VAE: float32 | bfloat16 | float16
+
+    CHOICES: ClassVar[dict] = {"preset": tuple(PRESETS), "encoder_dtype": ENCODER_DTYPES,
+                               "pipeline": ("auto", *PIPELINE_CLASSES)}
+    RANGES: ClassVar[dict] = {"max_text_tokens": ">= 1"}
+
+    def encoders(self) -> dict:
+        """What decides the frozen encoders' outputs, as keywords of `FrozenEncoders.load`, `PrecomputeSettings` and
+        the precompute manifest (`data.precomputed.find_manifest`)."""
+        return dict(text_encoder=self.text_encoder, text_encoder_subfolder=self.text_encoder_subfolder,
+                    tokenizer_subfolder=self.tokenizer_subfolder, vae=self.vae, vae_subfolder=self.vae_subfolder,
+                    max_text_tokens=self.max_text_tokens)
+
+
+@dataclass
+class SpeedConfig:
+    attention: str = "sdpa"  # sdpa (torch scaled_dot_product_attention) | eager
+    gradient_checkpointing: bool = False  # recompute block activations in backward: less memory, ~30 % more compute
+    compile: bool = False  # torch.compile the DiT (first steps are slow while it compiles)
+    tf32: bool = True  # TF32 matmuls/convolutions on Ampere+ GPUs (no effect on CPU)
+
+    CHOICES: ClassVar[dict] = {"attention": tuple(ATTENTION_PROCESSORS)}
