@@ -32,6 +32,11 @@ class NoisedBatch:
     target: torch.Tensor  # regression target, (B, C, H, W)
 
 
+# The beta schedules that both diffusers' DDPMScheduler (training) and DPMSolverMultistepScheduler (sampling, the
+# export's scheduler) implement; DDPMScheduler alone also has "sigmoid".
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+
+
 class DDPMEpsilon:
     """ε-prediction on a discrete DDPM schedule (PixArt-α: linear betas 1e-4 → 0.02, T = 1000)."""
 
