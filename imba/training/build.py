@@ -17,10 +17,8 @@ from models.pipeline import pipeline_kind_of, unsamplable_reason
 
 def load_encoders(cfg: Config, device) -> FrozenEncoders:
     """Frozen tokenizer + T5 and VAE; "tiny-words" tokenizes the synthetic captions' words."""
-    m = cfg.model
     try:
-        return FrozenEncoders.load(m.text_encoder, m.vae, m.max_text_tokens, device, DTYPES[m.encoder_dtype],
-                                   m.text_encoder_subfolder, m.tokenizer_subfolder, m.vae_subfolder,
+        return FrozenEncoders.load(**cfg.model.encoders(), device=device, dtype=DTYPES[cfg.model.encoder_dtype],
                                    words=CAPTION_WORDS)
     except OSError as err:
         raise ConfigError(str(err)) from err
@@ -29,11 +27,8 @@ def load_encoders(cfg: Config, device) -> FrozenEncoders:
 def precomputed_manifest(cfg: Config, shards, key: str = "data.shards") -> dict | None:
     """The manifest of `shards` if `python -m data.precompute` wrote them for this run's encoders, resolution and
     text length; None for image shards; a one-line `ConfigError` (naming `key`) for features of other settings."""
-    m = cfg.model
     try:
-        return find_manifest(shards, resolution=cfg.data.resolution, max_text_tokens=m.max_text_tokens, vae=m.vae,
-                             vae_subfolder=m.vae_subfolder, text_encoder=m.text_encoder,
-                             text_encoder_subfolder=m.text_encoder_subfolder, tokenizer_subfolder=m.tokenizer_subfolder)
+        return find_manifest(shards, resolution=cfg.data.resolution, **cfg.model.encoders())
     except ValueError as err:  # precomputed with other encoders, resolution or text length
         raise ConfigError(str(err) if key == "data.shards" else f"{key}: {err}") from err
 
@@ -81,11 +76,9 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
 
 def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank: bool,
                         num_processes: int = 1) -> TrainingLoss:
-    loss = cfg.loss
     # normalize=timestep_mean: the running means cover the global batch, so every rank holds the same state
     reduce = torch.distributed.all_reduce if num_processes > 1 else None
-    return TrainingLoss(loss.kind, gamma=loss.gamma, lam=loss.lam, patch_size=patch_size, distance=loss.distance,
-                        reference=loss.reference, normalize=loss.normalize, estimator=loss.estimator,
+    return TrainingLoss(**cfg.loss.kwargs(), patch_size=patch_size,
                         same_passes_on_every_rank=same_passes_on_every_rank, timestep_reduce=reduce)
 
 

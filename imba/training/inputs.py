@@ -78,11 +78,7 @@ def precomputes(cfg: Config) -> bool:
 
 def precompute_settings(cfg: Config) -> PrecomputeSettings:
     """The precompute settings that give exactly the features this run's encoders would compute."""
-    m, d = cfg.model, cfg.data
-    return PrecomputeSettings(resolution=d.resolution, vae=m.vae, vae_subfolder=m.vae_subfolder,
-                              text_encoder=m.text_encoder, text_encoder_subfolder=m.text_encoder_subfolder,
-                              tokenizer_subfolder=m.tokenizer_subfolder, encoder_dtype=m.encoder_dtype,
-                              max_text_tokens=m.max_text_tokens, caption_field=d.caption_field, min_size=d.min_size)
+    return PrecomputeSettings(**cfg.model.encoders(), encoder_dtype=cfg.model.encoder_dtype, **cfg.data.decoding())
 
 
 def _source(shards: list[str]) -> list:
@@ -193,9 +189,8 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], st
         accelerator.print(f"data: each rank continues after {consumed} batches of {d.batch_size}")
     shards = all_shards(sources)
     try:
-        return build_loader(shards, d.mode, resolution=d.resolution, batch_size=d.batch_size,
-                            num_workers=d.num_workers, seed=cfg.train.seed, rank=accelerator.process_index,
-                            world_size=accelerator.num_processes, caption_field=d.caption_field, min_size=d.min_size,
+        return build_loader(shards, d.mode, **d.decoding(), batch_size=d.batch_size, num_workers=d.num_workers,
+                            seed=cfg.train.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
                             shuffle_buffer=d.shuffle_buffer, bucketing=d.bucketing, bucket_divisor=bucket_divisor,
                             batches_done=consumed, manifest=manifest, loader_threads=d.loader_threads,
                             main_process_first=accelerator.main_process_first, sampler=sampler)

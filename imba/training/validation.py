@@ -72,10 +72,9 @@ class Validator:
             raise ConfigError(f"data.val_shards must be {kinds[manifest is None]} like data.shards, not "
                               f"{kinds[val_manifest is None]}")
         try:
-            loader = build_loader(shards, "indexed", resolution=d.resolution, batch_size=1, num_workers=0,
-                                  seed=cfg.train.seed, rank=0, world_size=1, caption_field=d.caption_field,
-                                  min_size=d.min_size, shuffle_buffer=0, bucketing=False, bucket_divisor=1,
-                                  batches_done=0, manifest=val_manifest,
+            loader = build_loader(shards, "indexed", **d.decoding(), batch_size=1, num_workers=0,
+                                  seed=cfg.train.seed, rank=0, world_size=1, shuffle_buffer=0, bucketing=False,
+                                  bucket_divisor=1, batches_done=0, manifest=val_manifest,
                                   main_process_first=accelerator.main_process_first)
         except ValueError as err:  # settings these shards cannot serve (data.min_size above every image)
             raise ConfigError(f"data.val_shards: {err}") from err
