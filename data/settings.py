@@ -41,8 +41,9 @@ class DataConfig:
     # = a held-out synthetic set (other seed) for synthetic training, no validation for data.shards
     val_shards: str | None = None
     val_samples: int = 64  # the first N samples of the validation shards' seeded order, split over the ranks
-    # several shard sets read as one, instead of data.shards: a list of {shards, name, share | repeat}
-    # (data/sources.py, docs/data.md#mixing-sources); drawn by the weighted stream (exact resume on any process count)
+    # several shard sets read as one, instead of data.shards: a list of {shards, name, share | repeat | choose}
+    # (data/sources.py, docs/data.md#mixing-sources-and-balancing-concepts); drawn by the weighted stream (exact
+    # resume on any process count)
     sources: list[SourceConfig] = field(default_factory=list)
     epoch_samples: int = 0  # draws per epoch with data.sources or data.balance; 0 = the samples of the sources
     # sampling weights from the captions' concepts (data/balance.py): none | temperature (weight = count of the
