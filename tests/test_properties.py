@@ -30,6 +30,7 @@ from PIL import Image
 
 from data.index import load_or_build_index
 from data.indexed import make_indexed_loader
+from data.sources import SourceConfig
 from data.streaming import make_image_text_loader
 from imba.training.config import CHOICES, RANGES, Config, ConfigError, load_config
 from shard_helpers import encode, write_tar
@@ -111,9 +112,19 @@ def valid_override(draw) -> tuple[str, str, typing.Any]:
     """(key, text written after `key=`, the value the config must then hold)."""
     key = draw(st.sampled_from(sorted(FIELDS)))
     hint = FIELDS[key]
+    if key == "data.balance":  # cap is valid only with its threshold, another key
+        value = draw(st.sampled_from([c for c in CHOICES[key] if c != "cap"]))
+        return key, value, value
     if key in CHOICES:
         value = draw(st.sampled_from(CHOICES[key]))
         return key, value, value
+    if key == "data.sources":
+        shards = draw(st.lists(st.text(string.ascii_letters + string.digits + "_/.-", min_size=1, max_size=16)
+                               .filter(_plain_scalar), min_size=1, max_size=3, unique=True))
+        share = draw(st.sampled_from(["", ", share: 0.5", ", repeat: 2", ", choose: 7"]))
+        text = "[" + ", ".join(f"{{shards: {x}{share}}}" for x in shards) + "]"
+        weight = {"": {}, ", share: 0.5": {"share": 0.5}, ", repeat: 2": {"repeat": 2.0}, ", choose: 7": {"choose": 7}}
+        return key, text, [SourceConfig(shards=x, **weight[share]) for x in shards]
     named = {"train.trackers": ["none", "tensorboard", "tensorboard,wandb", "all"],
              "objective.beta_schedule": ["linear", "scaled_linear", "squaredcos_cap_v2"]}
     if key in named:
