@@ -147,8 +147,8 @@ def test_the_closed_edges_of_each_setting_are_accepted():
 
 def test_timestep_bins_at_their_edges():
     mean = TimestepMean(bins=4, num_train_timesteps=1000)
-    t = torch.tensor([-3, 0, 249, 250, 999, 1000, 1500])
-    assert mean.bin_of(t).tolist() == [0, 0, 0, 1, 3, 3, 3]  # out of range: the first or the last bin
+    t = torch.tensor([-300, -3, 0, 249, 250, 999, 1000, 1500])
+    assert mean.bin_of(t).tolist() == [0, 0, 0, 0, 1, 3, 3, 3]  # out of range: the first or the last bin
     assert TimestepMean(bins=1).bin_of(torch.tensor([0, 999])).tolist() == [0, 0]
 
 
@@ -165,6 +165,7 @@ def test_a_token_distance_name_is_checked():
 def test_loss_stats_keep_scalars_in_the_mapping_and_tensors_apart():
     stats = LossStats({"loss": torch.tensor(2.0), "rate": 0.25}, {"per_sample": torch.ones(3)})
     assert list(stats) == ["loss", "rate"] and dict(stats) == {"loss": torch.tensor(2.0), "rate": 0.25}
+    assert "loss" in stats and "rate" in stats and "absent" not in stats
     assert "per_sample" in stats and torch.equal(stats["per_sample"], torch.ones(3))
     assert stats.get("per_sample") is stats.tensors["per_sample"] and stats.get("absent", 7) == 7
     with pytest.raises(KeyError, match="absent"):
@@ -254,6 +255,25 @@ def test_a_call_with_a_wrongly_shaped_drop_or_uncond_is_refused():
         loss_fn(torch.zeros(B, 3, H, H, dtype=torch.float64), pred_uncond, target)
     with pytest.raises(ValueError, match="one shape"):
         loss_fn(pred_cond[:, :, 0], pred_uncond[:, :, 0], target)  # 3-D prediction, 4-D target
+    with pytest.raises(ValueError, match="one shape"):  # not a channel count mismatch: the ranks differ
+        loss_fn(pred_cond[:, :1, 0], pred_uncond, target)
+
+
+def test_one_kept_row_is_the_conditional_loss_by_itself():
+    pred_cond, pred_uncond, target = _inputs(6)
+    drop = torch.tensor([True, True, False, True])
+    _, stats = IMBALoss(patch_size=P, gamma=0.0)(pred_cond, pred_uncond, target, drop=drop)
+    assert float(stats["loss_cond_weighted"]) == pytest.approx(float((pred_cond[2] - target[2]).pow(2).mean()),
+                                                               rel=1e-12)
+
+
+def test_half_precision_inputs_are_computed_in_float32():
+    pred_cond, pred_uncond, target = (x.bfloat16() for x in _inputs(7))
+    loss, _ = IMBALoss(patch_size=P)(pred_cond, pred_uncond, target)
+    plain, _ = plain_loss(pred_cond, target)
+    assert loss.dtype == torch.float32 and plain.dtype == torch.float32
+    want = (pred_cond.float() - target.float()).pow(2).mean()
+    assert float(plain) == pytest.approx(float(want), rel=1e-6)  # bfloat16 arithmetic would be off by ~1e-3
 
 
 def test_plain_loss_reports_its_loss_as_a_scalar_stat():
