@@ -113,6 +113,18 @@ def test_tensors_have_their_specs_are_aligned_and_do_not_overlap():
     assert [bool((t == k + 1).all()) for k, t in enumerate(tensors)] == [True] * 4
 
 
+@pytest.mark.parametrize("specs", [
+    [((5000,), torch.uint8), ((10,), torch.uint8)],  # a size just past a multiple of 64 bytes
+    [((8,), torch.uint8), ((100_000,), torch.uint8), ((3,), torch.int16)],  # the region must hold every tensor
+])
+def test_large_and_small_tensors_get_disjoint_whole_spans(specs):
+    tensors = _RecycledMemory().tensors(specs)
+    for k, t in enumerate(tensors):
+        assert t.numel() == int(np.prod(specs[k][0]))
+        t.fill_(k + 1)
+    assert [bool((t == k + 1).all()) for k, t in enumerate(tensors)] == [True] * len(specs)
+
+
 def test_batches_kept_beyond_the_remembered_regions_stay_intact():
     memory = _RecycledMemory(keep=2)
     kept = [_batch(memory, fill) for fill in range(5)]  # the oldest regions are forgotten while still in use
@@ -173,6 +185,36 @@ class _Meeting(_Numbers):
         return super().get_batch(indices, size)
 
 
+class _Counted:
+    """A sampler that counts the batches drawn from it; `limit` None: endless, as the real sampler is."""
+
+    def __init__(self, limit=None):
+        self.drawn, self.limit = 0, limit
+
+    def __iter__(self):
+        while self.limit is None or self.drawn < self.limit:
+            self.drawn += 1
+            yield [self.drawn - 1]
+
+
+class _Named(_Numbers):
+    def get_batch(self, indices, size=None):
+        batch = super().get_batch(indices, size)
+        batch["thread"] = threading.current_thread().name
+        return batch
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_at_most_two_batches_per_thread_are_drawn_ahead_of_the_consumer(threads):
+    sampler = _Counted()
+    batches = iter(_ThreadedBatches(_Named(), sampler, threads))
+    for i in range(6):
+        batch = next(batches)
+        assert batch["values"] == [i * i] and batch["thread"].startswith("imba-reader")
+        assert sampler.drawn == 2 * threads + i + 1  # the batches in flight, and the one that replaced batch i
+    batches.close()
+
+
 def test_two_threads_read_two_batches_at_the_same_time():
     _MEETING.reset()
     got = list(_ThreadedBatches(_Meeting(), [[i] for i in range(6)], 2))
@@ -213,7 +255,7 @@ def _sample(key, n, text_dtype, rng, scale_value=None, width=WIDTH):
     return sample
 
 
-@pytest.mark.parametrize("text_dtype", ["int8", "float16"])
+@pytest.mark.parametrize("text_dtype", ["int8", "float16", "bfloat16"])
 def test_a_batch_packs_each_samples_tokens_in_order_and_unpacks_to_the_samples(tmp_path, text_dtype):
     rng = np.random.default_rng(0)
     # token counts: the only token, the closed upper bound (max_text_tokens), and in between
@@ -228,14 +270,16 @@ def test_a_batch_packs_each_samples_tokens_in_order_and_unpacks_to_the_samples(t
     assert batch["keys"] == ["s4", "s0", "s3"] and batch["captions"] == ["caption s4", "caption s0", "caption s3"]
     assert batch["text_lengths"].tolist() == [3, 1, TOKENS] and ds.stats.bad == {}
     assert batch["latent_moments"].dtype == torch.float16 and batch["latent_moments"].shape == (3, *LATENT)
-    stored = {"int8": torch.int8, "float16": torch.float16}[text_dtype]
+    stored = {"int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16}[text_dtype]
     assert batch["text_states"].dtype == stored and batch["text_states"].shape == (3 + 1 + TOKENS, WIDTH)
     assert ("text_scale" in batch) == (text_dtype == "int8")
     at = 0
     for row, i in enumerate(order):
         n = lengths[i]
         values = np.load(io.BytesIO(rows[i][TEXT_MEMBER]))
-        assert np.array_equal(batch["text_states"][at:at + n].numpy(), values)
+        packed = batch["text_states"][at:at + n]
+        packed = packed.view(torch.int16).numpy().view(np.uint16) if text_dtype == "bfloat16" else packed.numpy()
+        assert np.array_equal(packed, values)  # the stored bits, not their values converted
         if text_dtype == "int8":
             scale = np.load(io.BytesIO(rows[i][TEXT_SCALE_MEMBER]))
             assert np.array_equal(batch["text_scale"][at:at + n].numpy(), scale)
@@ -248,9 +292,23 @@ def test_a_batch_packs_each_samples_tokens_in_order_and_unpacks_to_the_samples(t
         assert torch.equal(unpacked["text_embeds"][row], single["text_embeds"])
         assert torch.equal(unpacked["text_mask"][row], single["text_mask"])
         assert single["text_mask"].tolist() == [1] * lengths[i] + [0] * (TOKENS - lengths[i])
+        assert single["text_mask"].dtype == torch.int64 and unpacked["text_mask"].dtype == torch.int64
         assert torch.equal(unpacked["latent_mean"][row], single["latent_mean"])
         assert torch.equal(unpacked["latent_logvar"][row], single["latent_logvar"])
     assert not torch.equal(unpacked["latent_mean"][0], unpacked["latent_logvar"][0])
+    assert not batch["latent_moments"].is_shared()  # in this process: recycled memory, not shared memory
+
+
+def test_a_batch_made_in_a_loader_worker_is_in_shared_memory(tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    shard = write_tar(tmp_path / "f-000000.tar", [_sample(f"s{i}", 2, "int8", rng) for i in range(3)])
+    ds = PrecomputedShards([shard], manifest=_manifest("int8"), index_dir=tmp_path / "index")
+    plain = ds.get_batch([0, 2])
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())  # as inside a DataLoader worker
+    shared = ds.get_batch([0, 2])
+    for name in ("latent_moments", "text_states", "text_scale"):
+        assert shared[name].is_shared() and shared[name].dtype == plain[name].dtype
+        assert torch.equal(shared[name], plain[name])
 
 
 @pytest.mark.parametrize("bad", ["nan scale", "inf scale", "-inf scale", "no tokens", "too many tokens",
@@ -274,3 +332,47 @@ def test_a_sample_the_manifest_does_not_describe_is_skipped_and_counted(tmp_path
     ds = PrecomputedShards([shard], manifest=_manifest("int8"), index_dir=tmp_path / "index")
     assert ds.get_batch([0, 1, 2])["keys"] == ["s0", "s2", "s2"]  # the bad one's place goes to the next good one
     assert ds.stats.bad == {BAD_PRECOMPUTED: 1} and ds.stats.good == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decoding a stream of raw samples, and .npy members
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_decoder_skips_a_bad_sample_names_it_and_goes_on(caplog):
+    from data.precomputed import _DecodePrecomputed
+    from data.skips import MAX_FAILURES_BEFORE_FIRST_SAMPLE, NoUsableSamples
+
+    rng = np.random.default_rng(3)
+    good = [dict(_sample(f"g{i}", 2, "int8", rng), __url__="shard-a.tar") for i in range(2)]
+    bad = dict(_sample("b0", 2, "int8", rng), __url__="shard-a.tar")
+    del bad["txt"]
+    stats = ReaderStats()
+    decode = _DecodePrecomputed(_manifest("int8"), stats)
+    with caplog.at_level("WARNING"):
+        keys = [s["key"] for s in decode(iter([good[0], bad, good[1]]))]
+    assert keys == ["g0", "g1"] and stats.good == 2 and stats.bad == {BAD_PRECOMPUTED: 1}
+    assert stats.failures_in_a_row == 0  # a good sample after a bad one resets the count
+    assert "skipping shard-a.tar:b0: bad precomputed sample ValueError('no txt member')" in caplog.text
+    stats = ReaderStats()  # nothing good yet: the reader gives up after so many bad ones, naming the last
+    with pytest.raises(NoUsableSamples, match=r"last: bad precomputed sample at shard-a.tar:b0\)"):
+        list(_DecodePrecomputed(_manifest("int8"), stats)(iter([bad] * MAX_FAILURES_BEFORE_FIRST_SAMPLE)))
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0)])
+def test_npy_members_of_both_header_versions_are_read_without_np_load(monkeypatch, version):
+    from data.precomputed import load_npy
+
+    array = np.arange(12, dtype=np.float16).reshape(3, 4)
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, version=version)
+    data = bytearray(buf.getvalue())
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load used for a plain .npy member"))
+    copied = load_npy(data)
+    assert np.array_equal(copied, array) and copied.flags.writeable
+    view = load_npy(data, copy=False)
+    data[-2:] = np.float16(99).tobytes()  # the view reads the member's bytes themselves
+    assert view[2, 3] == 99 and copied[2, 3] == 11
+    fortran = io.BytesIO()
+    np.lib.format.write_array(fortran, np.asfortranarray(array), version=version)
+    assert np.array_equal(load_npy(fortran.getvalue()), array)
