@@ -314,8 +314,8 @@ def run_one(job: dict) -> dict:
 
     pool = TilePool(world, seed, tiles=job["pool"], hue_tiles=round(spec.get("hues", 0) * job["pool"]))
     scene_pool = ScenePool(pool, seed) if job["scenes"] == "fixed" else None
-    if scene_pool is not None and spec.get("bursty"):
-        raise SystemExit(f"error: {variant} composes its scenes at batch time; run it with --scenes online")
+    if scene_pool is not None and spec.get("bursty"):  # main refuses it first: a worker must not exit
+        raise ValueError(f"{variant} composes its scenes at batch time; run it with --scenes online")
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
     if spec.get("reweight"):
@@ -1045,6 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
     per_pair = args.per_pair or (4 if args.quick and args.levers else 8 if args.quick else 16 if args.levers
                                  else DEFAULT_PER_PAIR)
     factors = tuple(sorted({relative_cost(v) for v in variants} - {1.0}))
+    batch_time = [v for v in variants if VARIANTS[v].get("bursty")]
+    if scenes == "fixed" and batch_time:
+        raise SystemExit(f"error: {' '.join(batch_time)} composes its scenes at batch time; run it with "
+                         "--scenes online")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
