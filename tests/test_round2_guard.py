@@ -103,3 +103,28 @@ def test_diverged_message_names_the_step_the_reason_and_where_to_resume():
     assert "\n" not in line
     line = diverged_message("weights not finite", 7, None)
     assert "weights not finite; nothing was saved" in line and "; no checkpoint was saved before it (resume" in line
+
+
+class _OnDevice:
+    """An accelerator on another device than the tensors' (meta stands in for CUDA): NCCL gathers only tensors on
+    the process's own device, so every flag the guard gathers must be there."""
+
+    device = torch.device("meta")
+
+    def __init__(self):
+        self.gathered = []
+
+    def gather(self, tensor):
+        self.gathered.append(tensor.device)
+        return torch.zeros(tensor.shape)  # every rank agrees: nothing bad
+
+
+def test_every_gathered_flag_is_on_the_accelerators_device():
+    accelerator = _OnDevice()
+    assert all_finite(accelerator, [torch.ones(2), torch.zeros(3)]) and all_finite(accelerator, [])
+    guard = DivergenceGuard(accelerator, max_bad_steps=2)
+    guard.add_loss(torch.tensor(0.5))
+    assert not guard.step_is_bad(1.0)
+    guard.add_loss(torch.tensor(0.5))
+    assert not guard.step_is_bad(torch.tensor(2.0))
+    assert accelerator.gathered == [torch.device("meta")] * 4
