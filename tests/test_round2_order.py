@@ -87,6 +87,7 @@ def test_each_window_visits_exactly_its_shards_samples(window):
     (dict(num_samples=4, batch_size=1, shard_window=1, shard_sizes=[2, 1]), "shard_window needs shard_sizes"),
 ])
 def test_indexed_sampler_refuses_each_bad_argument(kwargs, message):
+    kwargs = dict(kwargs)  # the parameter itself is shared by every run of the test
     n = kwargs.pop("num_samples")
     b = kwargs.pop("batch_size")
     with pytest.raises(ValueError, match=message):
