@@ -311,9 +311,13 @@ def test_a_batch_made_in_a_loader_worker_is_in_shared_memory(tmp_path, monkeypat
         assert torch.equal(shared[name], plain[name])
 
 
-@pytest.mark.parametrize("bad", ["nan scale", "inf scale", "-inf scale", "no tokens", "too many tokens",
-                                 "wrong width", "no caption", "latent float32"])
-def test_a_sample_the_manifest_does_not_describe_is_skipped_and_counted(tmp_path, bad):
+@pytest.mark.parametrize("bad,reason", [
+    ("nan scale", "non-finite int8 scales"), ("inf scale", "non-finite int8 scales"),
+    ("-inf scale", "non-finite int8 scales"), ("no tokens", "T5 states of shape (0, 8), expected (1..4, 8)"),
+    ("too many tokens", "T5 states of shape (5, 8), expected (1..4, 8)"),
+    ("wrong width", "T5 states of shape (2, 9), expected (1..4, 8)"), ("no caption", "no txt member"),
+    ("latent float32", "latent is float32 (2, 3, 2, 2), expected float16 (2, 3, 2, 2)")])
+def test_a_sample_the_manifest_does_not_describe_is_skipped_and_counted(tmp_path, caplog, bad, reason):
     rng = np.random.default_rng(1)
     rows = [_sample(f"s{i}", 2, "int8", rng) for i in range(3)]
     broken = {"nan scale": lambda: _sample("s1", 3, "int8", rng, scale_value=np.nan),
@@ -330,8 +334,10 @@ def test_a_sample_the_manifest_does_not_describe_is_skipped_and_counted(tmp_path
         rows[1][LATENT_MEMBER] = npy_bytes(rng.standard_normal(LATENT).astype(np.float32))
     shard = write_tar(tmp_path / "f-000000.tar", rows)
     ds = PrecomputedShards([shard], manifest=_manifest("int8"), index_dir=tmp_path / "index")
-    assert ds.get_batch([0, 1, 2])["keys"] == ["s0", "s2", "s2"]  # the bad one's place goes to the next good one
+    with caplog.at_level("WARNING"):
+        assert ds.get_batch([0, 1, 2])["keys"] == ["s0", "s2", "s2"]  # the bad one's place goes to the next one
     assert ds.stats.bad == {BAD_PRECOMPUTED: 1} and ds.stats.good == 3
+    assert f":s1: {BAD_PRECOMPUTED} ValueError({reason!r})" in caplog.text  # which sample, and what is wrong
 
 
 # ---------------------------------------------------------------------------------------------------------------
