@@ -360,6 +360,10 @@ def test_the_decoder_skips_a_bad_sample_names_it_and_goes_on(caplog):
     assert keys == ["g0", "g1"] and stats.good == 2 and stats.bad == {BAD_PRECOMPUTED: 1}
     assert stats.failures_in_a_row == 0  # a good sample after a bad one resets the count
     assert "skipping shard-a.tar:b0: bad precomputed sample ValueError('no txt member')" in caplog.text
+    nameless = {k: v for k, v in bad.items() if k not in ("__url__", "__key__")}
+    with caplog.at_level("WARNING"):
+        assert list(decode(iter([nameless]))) == []
+    assert "skipping ?:?: bad precomputed sample" in caplog.text  # neither shard nor key known: said so
     stats = ReaderStats()  # nothing good yet: the reader gives up after so many bad ones, naming the last
     with pytest.raises(NoUsableSamples, match=r"last: bad precomputed sample at shard-a.tar:b0\)"):
         list(_DecodePrecomputed(_manifest("int8"), stats)(iter([bad] * MAX_FAILURES_BEFORE_FIRST_SAMPLE)))
