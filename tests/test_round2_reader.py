@@ -294,6 +294,7 @@ def test_a_batch_packs_each_samples_tokens_in_order_and_unpacks_to_the_samples(t
         assert single["text_mask"].tolist() == [1] * lengths[i] + [0] * (TOKENS - lengths[i])
         assert single["text_mask"].dtype == torch.int64 and unpacked["text_mask"].dtype == torch.int64
         assert torch.equal(unpacked["latent_mean"][row], single["latent_mean"])
+        assert unpacked["latent_mean"].dtype == unpacked["text_embeds"].dtype == torch.float32
         assert torch.equal(unpacked["latent_logvar"][row], single["latent_logvar"])
     assert not torch.equal(unpacked["latent_mean"][0], unpacked["latent_logvar"][0])
     assert not batch["latent_moments"].is_shared()  # in this process: recycled memory, not shared memory
