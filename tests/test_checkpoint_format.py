@@ -4,7 +4,6 @@ its format; per-rank state follows its rule on another process count; old config
 
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -22,22 +21,13 @@ from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
 from imba.training.integrity import file_digest
 from imba.training.resume import plan_resume
+from test_train_precomputed import run_main  # train.main in-process, its state and signal handlers checked
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
 # format → the parameter digest of its checkpoint at step 2 (what `train.py` printed when it wrote it; a resume
 # prints it again once loaded): bitwise, it depends on nothing but the loading
 GOLDEN_DIGESTS = {1: "76904443620e2e08"}
-
-
-def run_main(argv):
-    """`train.main` in this process; the accelerate state it made is reset, and its signal handlers must be back."""
-    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        return train.main(argv)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        assert {s: signal.getsignal(s) for s in before} == before
 
 
 def gap_and_moved(now: dict, expected: dict, before: dict) -> tuple[float, float]:
