@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 __all__ = ["BALANCE_METHODS", "BalanceSettings", "ConceptTable", "caption_entries", "is_combination",
-           "build_concept_table", "entry_counts", "balance_factors"]
+           "build_concept_table", "entry_counts", "reduce_over_entries", "balance_factors"]
 
 BALANCE_METHODS = ("none", "temperature", "cap")
 BIND_JOIN, PAIR_JOIN = ":", " + "  # attribute:object, object + object
@@ -183,8 +183,8 @@ def entry_counts(table: ConceptTable, rate: np.ndarray | None = None) -> np.ndar
 ROWS_AT_ONCE = 1 << 20  # samples whose entries are gathered at once: bounds the memory of the reductions
 
 
-def _reduce_rows(values: np.ndarray, table: ConceptTable, ufunc: np.ufunc, empty: float) -> np.ndarray:
-    """ufunc.reduce of values[entry id] over each sample's entries; `empty` for samples without any."""
+def reduce_over_entries(values: np.ndarray, table: ConceptTable, ufunc: np.ufunc, empty: float) -> np.ndarray:
+    """ufunc.reduce of values[entry id] over each sample's entries (float64); `empty` for samples without any."""
     out = np.full(len(table), empty, dtype=np.float64)
     for a in range(0, len(table), ROWS_AT_ONCE):
         b = min(a + ROWS_AT_ONCE, len(table))
@@ -204,9 +204,9 @@ def balance_factors(table: ConceptTable, settings: BalanceSettings, rate: np.nda
     counts = entry_counts(table, rate)
     head = float(counts.max()) if counts.size else 1.0
     if settings.method == "temperature":
-        rarest = _reduce_rows(counts, table, np.minimum, empty=head)
+        rarest = reduce_over_entries(counts, table, np.minimum, empty=head)
         return np.power(rarest / head, -settings.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
     keep = np.minimum(1.0, settings.cap / np.maximum(counts, 1e-300))
     log_miss = np.log1p(-np.minimum(keep, 1.0 - 1e-16))  # log(1 - p_e); p_e = 1 counts as certain
-    missed = _reduce_rows(log_miss, table, np.add, empty=np.log1p(-min(1.0, settings.cap / head)))
+    missed = reduce_over_entries(log_miss, table, np.add, empty=np.log1p(-min(1.0, settings.cap / head)))
     return -np.expm1(missed)
