@@ -5,6 +5,9 @@
     python bench/composition.py --variants plain plain_balanced importance importance_joint inverse_freq \
         --out bench/composition_reweight       # the re-weighting baselines
     python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
+    python bench/composition.py --variants plain plain_balanced plain_concept_balanced imba_target_tnorm_efficient \
+        caption_balanced caption_balanced_a1 imba_balanced --out bench/composition_results_v2
+                                                # streams balanced from the captions: reuses the default's runs
 
 Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour> <shape> and a <colour> <shape>",
 8 colours × 5 shapes. "concept_tail": colours and shapes each Zipf(2), so rare pairs are pairs of rare words;
@@ -21,6 +24,22 @@ seen pair equally often, the control a balancing method is measured against) and
 marginals uniform); balanced streams draw per object (a pair, then a slot showing it). The gap between
 `plain_balanced` and `plain` is what a balancing method can close; every other form is reported as the fraction of
 that gap it closes (bootstrap interval over seeds and pairs), at equal steps and at equal compute.
+
+Streams balanced without the pair labels (fixed scenes only), the way a user of the data layer balances a real data
+set: each scene drawn in proportion to a factor set from its caption's entries (`data.balance`: concepts,
+attribute:object bindings, object pairs; the extractor names each concept once, so a caption whose two objects share
+a colour or a shape has the first object's binding only: 51 % of concept_tail's scenes, 18 % of pair_tail's at
+seed 0). `caption_balanced` / `caption_balanced_a1`: the offline temperature factors (data.balance=temperature) with
+α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the factors of `data.online_balance.OnlineBalance`, refreshed
+every BALANCE_EVERY steps from the model's own IMBA distance, measured by a no-grad unconditional pass over the
+first eighth of every batch (counted compute 1 + 1/24 plain steps at batch 32). All three train with the plain loss
+and are compared with the controls; they are no controls themselves and run to the equal-step lengths only. The
+command above adds them to the default study: the four default variants' runs are reused (its largest nominal cost
+is still 1.3, so the controls' lengths stay 1000, 1500, 1950; leaving imba_target_tnorm_efficient out would make it
+1.042 and rerun the controls to 1562 steps). It trains 30 runs of 1500 steps, about 50 min with 2 workers on 2 cores
+(estimated from step times measured beside other work: plain 0.11 s/step per worker, the caption streams 1.03×,
+imba_balanced 1.19×: its no-grad pass over 4 rows costs more than 4/96 of a step on a CPU); each run is saved as it
+ends, so the variants can be run in separate commands.
 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
 tile and scene pool, initial weights, optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1,
@@ -60,13 +79,17 @@ from composition_scenes import (BUCKETS, COLOURS, FAILURES, SHAPES, TILE, WORLDS
                                 pair_name, probe_prompts, train_oracle)
 
 # kind / reference / normalize / estimator: imba.training_loss.TrainingLoss; stream: which objects are drawn
-# (composition_scenes.STREAMS); reweight: plain MSE weighted per object half, each half's tokens by its own object's
-# weight: the inverse frequency of its concepts (offline re-weighting as a user would do it) or the importance ratio
-# p_balanced(pair) / p_pool(pair) of the pair-balanced stream ("importance"); "importance_joint" weighs both halves
-# by the product of the two ratios, the exact ratio of the whole scene; objective: flow or ddpm (ε); hues / bursty /
-# jitter: the data levers of composition_scenes (colour diversity: HUES-coloured tiles, half as many as the pool's;
-# burstiness: the share of scenes whose second object takes the first one's colour; latent intervention: the
-# largest hue rotation of a training tile, in turns)
+# (composition_scenes.STREAMS), or, in fixed-scene mode, which scenes, in proportion to a factor per scene from its
+# caption alone, without the pair labels (WEIGHTED_STREAMS: "caption" = data.balance temperature with exponent
+# `alpha`, what a user of the data layer gets with data.balance=temperature; "imba_online" = the weights of
+# data.online_balance.OnlineBalance, set from the model's own IMBA distance per caption entry); reweight: plain MSE
+# weighted per object half, each half's tokens by its own object's weight: the inverse frequency of its concepts
+# (offline re-weighting as a user would do it) or the importance ratio p_balanced(pair) / p_pool(pair) of the
+# pair-balanced stream ("importance"); "importance_joint" weighs both halves by the product of the two ratios, the
+# exact ratio of the whole scene; objective: flow or ddpm (ε); hues / bursty / jitter: the data levers of
+# composition_scenes (colour diversity: HUES-coloured tiles, half as many as the pool's; burstiness: the share of
+# scenes whose second object takes the first one's colour; latent intervention: the largest hue rotation of a training
+# tile, in turns)
 VARIANTS = {
     "plain": dict(kind="plain"),
     "plain_balanced": dict(kind="plain", stream="pair_balanced"),
@@ -93,7 +116,13 @@ VARIANTS = {
     "plain_hues": dict(kind="plain", hues=0.5),
     "plain_bursty": dict(kind="plain", bursty=0.5),
     "plain_jitter": dict(kind="plain", jitter=0.05),
+    # the shipped default exponent and full balancing, fixed before any result
+    "caption_balanced": dict(kind="plain", stream="caption", alpha=0.5),
+    "caption_balanced_a1": dict(kind="plain", stream="caption", alpha=1.0),
+    "imba_balanced": dict(kind="plain", stream="imba_online"),
 }
+WEIGHTED_STREAMS = ("caption", "imba_online")
+BALANCE_EVERY = 50  # steps between refreshes of the online balance's weights
 # the default: the three streams and the IMBA form measured best at equal compute so far, in both worlds, 5 seeds
 DEFAULT_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient"]
 DEFAULT_SEEDS = [0, 1, 2, 3, 4]
@@ -127,11 +156,19 @@ def objective_of(variant: str) -> str:
     return VARIANTS[variant].get("objective", "flow")
 
 
-def relative_cost(variant: str) -> float:
+def imba_rows(batch_size: int) -> int:
+    """Rows of each batch the online balance scores with a no-grad unconditional pass: an eighth of the batch."""
+    return max(1, batch_size // 8)
+
+
+def relative_cost(variant: str, batch_size: int = 32) -> float:
     """Nominal step cost relative to plain, from the passes it runs (a forward row with gradient = 3 units, without
-    = 1; plain = 3B): literal IMBA 2B rows with gradient = 2.0; efficient B with gradient + λ·B without = 1.3.
+    = 1; plain = 3B): literal IMBA 2B rows with gradient = 2.0; efficient B with gradient + λ·B without = 1.3;
+    the online balance's plain step + `imba_rows(B)` rows without = 1 + imba_rows(B) / 3B (1.042 at B = 32).
     It places the controls' evaluation lengths; the comparisons use each run's counted compute."""
     spec = VARIANTS[variant]
+    if spec.get("stream") == "imba_online":
+        return 1.0 + imba_rows(batch_size) / (3 * batch_size)
     if spec["kind"] == "plain":
         return 1.0
     return 1.3 if spec.get("estimator") == "efficient" else 2.0
@@ -146,19 +183,23 @@ def is_lever(variant: str) -> bool:
 
 
 def is_stream_control(variant: str) -> bool:
-    """The plain-cost runs the others are compared with at equal compute: plain on each stream, and the levers."""
+    """The plain-cost runs the others are compared with at equal compute: plain on each stream of
+    composition_scenes.STREAMS, and the levers. The caption- and IMBA-weighted streams are compared with them."""
     spec = VARIANTS[variant]
-    return (spec["kind"] == "plain" and not spec.get("reweight")) or is_lever(variant)
+    return ((spec["kind"] == "plain" and not spec.get("reweight") and spec.get("stream") not in WEIGHTED_STREAMS)
+            or is_lever(variant))
 
 
 def train_lengths(variant: str, lengths: list[int], equal_compute: bool = True,
                   factors: tuple[float, ...] = (1.0, 1.3, 2.0)) -> list[int]:
     """Where a run is evaluated: at each length, and for the stream controls and the data levers also at the
-    longest length times each of `factors` (the nominal step costs of the benchmark's variants), so their success
-    can be read at any other variant's compute by interpolation between these points."""
-    if not equal_compute or not is_stream_control(variant):
+    longest length times the largest of `factors` (the nominal step costs of the benchmark's variants), so their
+    success can be read at any other variant's compute, which lies between the shortest length and that point,
+    by interpolation. Only the largest: a variant of another cost added to a study leaves the controls' lengths,
+    and so their finished runs, as they were unless it is the costliest."""
+    if not equal_compute or not is_stream_control(variant) or not factors:
         return sorted(lengths)
-    return sorted({*lengths, *(equal_compute_steps(max(lengths), c) for c in factors)})
+    return sorted({*lengths, equal_compute_steps(max(lengths), max(factors))})
 
 
 def inverse_frequency_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
@@ -192,6 +233,64 @@ def half_weighted_loss(pred: torch.Tensor, target: torch.Tensor, left: torch.Ten
     weights = torch.cat([left[:, None, None, None].expand(-1, 1, 1, width),
                          right[:, None, None, None].expand(-1, 1, 1, err.shape[-1] - width)], dim=3)
     return (err * weights).mean()
+
+
+class WeightedScenes:
+    """The scene stream of a caption- or IMBA-balanced variant (WEIGHTED_STREAMS): scenes drawn with replacement in
+    proportion to a factor per scene, the natural stream being uniform over the scene pool. The factors come from
+    the scenes' captions alone, through the entries `data.balance` extracts from them (concepts, attribute:object
+    bindings, object pairs), as a real data set's sampler would set them without labels: fixed once for "caption"
+    (temperature with exponent `alpha`), and for "imba_online" the factors of `data.online_balance.OnlineBalance`,
+    which move with the distances `observe` feeds it at every `refresh`."""
+
+    def __init__(self, stream: str, captions: list[str], alpha: float | None = None):
+        from data.balance import BalanceSettings, balance_factors, build_concept_table
+        from data.concepts import default_extractor
+
+        self.stream = stream
+        self.table = build_concept_table(captions, default_extractor())
+        self.online = None
+        if stream == "caption":
+            self.factors = torch.from_numpy(balance_factors(self.table, BalanceSettings("temperature", alpha)))
+        elif stream == "imba_online":
+            from data.online_balance import OnlineBalance
+
+            self.online = OnlineBalance(self.table)
+            self.factors = self._online_factors()
+        else:
+            raise ValueError(f"unknown weighted stream {stream!r}; choose one of {', '.join(WEIGHTED_STREAMS)}")
+
+    def _online_factors(self) -> torch.Tensor:
+        return torch.from_numpy(self.online.sample_factors().astype("float64"))
+
+    def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """n scene indices, each scene ∝ its factor."""
+        return torch.multinomial(self.factors, n, replacement=True, generator=generator)
+
+    def observe(self, scenes: torch.Tensor, distance: torch.Tensor, level: torch.Tensor) -> None:
+        """Rows of these scenes: their IMBA distance (mean over the row's tokens) at noise level `level` in [0, 1)."""
+        self.online.observe(scenes.numpy(), distance.double().numpy(), level.double().numpy())
+
+    def refresh(self) -> None:
+        self.online.refresh()
+        self.factors = self._online_factors()
+
+    def log(self) -> dict:
+        """What the factors are now: the largest (for "caption" relative to a scene of the most frequent entry
+        only, for "imba_online" to the natural rate) and how much more often than the uniform rate the most boosted
+        scene is drawn; for the online balance also how many scenes sit at its cap, how many entries are boosted
+        and how many refreshes set them."""
+        out = {"max_rate_over_uniform": float(self.factors.max() / self.factors.mean())}
+        if self.online is None:
+            out["max_factor"] = float(self.factors.max())
+        else:
+            from data.online_balance import FACTOR_ONE
+
+            cap = round(self.online.max_factor * FACTOR_ONE)
+            out.update(max_factor=float(self.factors.max()) / FACTOR_ONE, at_cap=int((self.factors >= cap).sum()),
+                       boosted_entries=int((self.online.weights > FACTOR_ONE).sum()),
+                       refreshes=self.online.refreshes)
+        return out
 
 
 def generator_for(seed: int, role: str) -> torch.Generator:
@@ -297,6 +396,7 @@ def run_one(job: dict) -> dict:
     from composition_scenes import HUES, rotate_hue
 
     from imba.eval.representations import attribute_nmi
+    from imba.loss import token_distance
     from imba.objectives import build_objective
     from imba.training_loss import TrainingLoss
     from models.dit import build_transformer, predict
@@ -316,6 +416,10 @@ def run_one(job: dict) -> dict:
     scene_pool = ScenePool(pool, seed) if job["scenes"] == "fixed" else None
     if scene_pool is not None and spec.get("bursty"):  # main refuses it first: a worker must not exit
         raise ValueError(f"{variant} composes its scenes at batch time; run it with --scenes online")
+    if scene_pool is None and stream in WEIGHTED_STREAMS:
+        raise ValueError(f"{variant} weights a fixed pool of scenes by their captions; run it with --scenes fixed")
+    weighted = (WeightedScenes(stream, scene_pool.captions(), spec.get("alpha")) if stream in WEIGHTED_STREAMS
+                else None)
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
     if spec.get("reweight"):
@@ -348,7 +452,11 @@ def run_one(job: dict) -> dict:
     curve: list[dict] = []
     results, losses, start = {}, [], time.perf_counter()
     for step in range(1, lengths[-1] + 1):
-        if scene_pool is not None:
+        if weighted is not None:
+            chosen = weighted.draw(batch, select_gen)
+            scene_seen.index_add_(0, chosen, torch.ones_like(chosen))
+            left, right = scene_pool.left[chosen], scene_pool.right[chosen]
+        elif scene_pool is not None:
             chosen = scene_pool.draw(batch, stream, select_gen)
             scene_seen.index_add_(0, chosen, torch.ones_like(chosen))
             left, right = scene_pool.left[chosen], scene_pool.right[chosen]
@@ -380,6 +488,16 @@ def run_one(job: dict) -> dict:
             if spec["reweight"] == "importance_joint":
                 w_left = w_right = w_left * w_right
             loss, stats = half_weighted_loss(pred, noised.target, w_left, w_right), {}
+        if weighted is not None and weighted.online is not None:
+            # the online balance's signal: the first rows' distance from the unconditional prediction at their own
+            # noisy inputs, counted as no-grad rows
+            k = imba_rows(batch)
+            with torch.no_grad():
+                uncond = predict_fn(noised.noisy[:k], noised.timesteps[:k], *text.null(k))
+            distance = token_distance(noised.target[:k], uncond, PATCH).mean(dim=1)
+            weighted.observe(chosen[:k], distance, noised.timesteps[:k].double() / objective.num_train_timesteps)
+            if step % BALANCE_EVERY == 0:
+                weighted.refresh()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -417,6 +535,8 @@ def run_one(job: dict) -> dict:
                              "final_loss": statistics.fmean(losses[-50:]), "diagnostics": diagnostics,
                              "attribute_nmi": attribute_nmi(objects),
                              **exposure_log(objects, tile_seen, scenes_seen, pool, world)}
+            if weighted is not None:
+                results[step]["stream_factors"] = weighted.log()
     return {"variant": variant, "seed": seed, "world": job["world"], "settings": {k: job[k] for k in JOB_SETTINGS},
             "buckets": world.bucket_of_name, "held_out": [pair_name(p) for p in world.held_out],
             "ranks": {"colour": {COLOURS[c]: r for c, r in enumerate(world.colour_rank)},
@@ -642,8 +762,9 @@ def failure_table(runs: list[dict], length: int) -> dict:
 
 def run_facts(runs: list[dict], length: int) -> dict:
     """Per variant at one length, means over seeds: counted compute per step, training seconds per step, distinct
-    tiles and scenes trained on, the largest repeat of one tile overall and among tail tiles, and the two oracles'
-    largest disagreement on a bucket mean (whole prompts, points)."""
+    tiles and scenes trained on, the largest repeat of one tile overall and among tail tiles, the two oracles'
+    largest disagreement on a bucket mean (whole prompts, points), and a weighted stream's factors
+    (`WeightedScenes.log`, keys prefixed "stream_")."""
     rows: dict = {}
     for run in runs:
         r = run["results"].get(length)
@@ -657,6 +778,7 @@ def run_facts(runs: list[dict], length: int) -> dict:
         if "per_pair_b" in r:
             a, b = bucket_success(r["per_pair"], run["buckets"]), bucket_success(r["per_pair_b"], run["buckets"])
             row["oracle_disagreement"] = max(abs(a[k] - b[k]) for k in a)
+        row.update({f"stream_{k}": v for k, v in r.get("stream_factors", {}).items()})
         rows.setdefault(run["variant"], []).append(row)
     return {v: {k: statistics.fmean(row[k] for row in rs) for k in rs[0]} for v, rs in rows.items()}
 
@@ -759,6 +881,20 @@ def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposu
                              f"{f.get('distinct_tiles', 0):.0f} of {f.get('pool_tiles', 0):.0f} | "
                              f"{f.get('distinct_scenes', 0):.0f} | {f.get('max_tile_repeat', 0):.0f} | "
                              f"{f.get('max_tail_tile_repeat', 0):.0f} | {100 * f.get('oracle_disagreement', 0):.1f} |")
+        weighted = [v for v in variants if "stream_max_factor" in facts.get(v, {})]
+        if weighted:
+            lines.append(f"\n**Scene factors of the weighted streams at {lengths[-1]} steps** (means over seeds; "
+                         "largest factor: caption, relative to a scene of only the most frequent entry; online, to "
+                         "the natural rate; largest rate = how many times the uniform rate the most boosted scene "
+                         "is drawn; at cap = scenes at the online balance's largest factor)\n")
+            lines.append("| variant | largest factor | largest rate | scenes at cap | boosted entries | refreshes |")
+            lines.append("|---" * 6 + "|")
+            for variant in weighted:
+                f = facts[variant]
+                online = "stream_refreshes" in f
+                lines.append(f"| {variant} | {f['stream_max_factor']:.2f} | {f['stream_max_rate_over_uniform']:.2f} | "
+                             + (f"{f['stream_at_cap']:.1f} | {f['stream_boosted_entries']:.1f} | "
+                                f"{f['stream_refreshes']:.0f} |" if online else "— | — | — |"))
     if failures:
         lines.append(f"\n**Failure kinds at {lengths[-1]} steps** (% of the bucket's prompts, all seeds: missing "
                      "object / colour on the wrong shape / other)\n")
@@ -868,7 +1004,8 @@ def levers_against_imba(runs: list[dict], lengths: list[int]) -> dict:
     seeds_of = per_seed(runs)
     out: dict = {}
     for lever in (v for v in seeds_of if is_lever(v)):
-        for imba in (v for v in seeds_of if relative_cost(v) > 1 and objective_of(v) == objective_of(lever)):
+        for imba in (v for v in seeds_of if VARIANTS[v]["kind"] != "plain" and relative_cost(v) > 1
+                     and objective_of(v) == objective_of(lever)):
             for length in lengths:
                 steps = equal_compute_steps(length, relative_cost(imba))
                 mine, theirs = seeds_of[lever].get(steps), seeds_of[imba].get(length)
@@ -1010,8 +1147,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"default {' '.join(map(str, DEFAULT_SEEDS))} (quick: 0; levers: 0 1 2)")
     parser.add_argument("--steps", nargs="+", type=int, default=None,
                         help=f"equal-step lengths every variant is evaluated at (default "
-                             f"{' '.join(map(str, DEFAULT_STEPS))}); the stream controls also run to each times the "
-                             "nominal costs of the other variants, for the equal-compute comparisons")
+                             f"{' '.join(map(str, DEFAULT_STEPS))}); the stream controls also run on to the longest "
+                             "times the largest nominal cost of the other variants, for the equal-compute "
+                             "comparisons")
     parser.add_argument("--no-equal-compute", action="store_true",
                         help="do not train the stream controls on to the other variants' compute")
     parser.add_argument("--per-pair", type=int, default=None,
@@ -1044,11 +1182,15 @@ def main(argv: list[str] | None = None) -> int:
     equal_compute = not args.no_equal_compute
     per_pair = args.per_pair or (4 if args.quick and args.levers else 8 if args.quick else 16 if args.levers
                                  else DEFAULT_PER_PAIR)
-    factors = tuple(sorted({relative_cost(v) for v in variants} - {1.0}))
+    factors = tuple(sorted({relative_cost(v, args.batch_size) for v in variants} - {1.0}))
     batch_time = [v for v in variants if VARIANTS[v].get("bursty")]
     if scenes == "fixed" and batch_time:
         raise SystemExit(f"error: {' '.join(batch_time)} composes its scenes at batch time; run it with "
                          "--scenes online")
+    weighted = [v for v in variants if VARIANTS[v].get("stream") in WEIGHTED_STREAMS]
+    if scenes == "online" and weighted:
+        raise SystemExit(f"error: {' '.join(weighted)} weights a fixed pool of scenes by their captions; run it with "
+                         "--scenes fixed")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
@@ -1073,7 +1215,8 @@ def main(argv: list[str] | None = None) -> int:
                  oracle=str(oracle_path), oracle_b=str(oracle_b) if oracle_b else None,
                  grid_dir=str(args.out) if s == seeds[0] else None, models_dir=str(args.out / "models"))
             for w in worlds for s in seeds for v in variants]
-    jobs.sort(key=lambda j: -relative_cost(j["variant"]) * max(j["steps"]))  # longest first: better packing
+    # longest first: better packing
+    jobs.sort(key=lambda j: -relative_cost(j["variant"], args.batch_size) * max(j["steps"]))
     # every finished run is saved at once: an interrupted benchmark reruns only the missing ones, and the runs
     # recorded in results.json (committed with the results) are reused too
     runs_dir, results_path = args.out / "runs", args.out / "results.json"

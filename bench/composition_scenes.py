@@ -307,6 +307,11 @@ class ScenePool:
     def __len__(self) -> int:
         return len(self.left)
 
+    def captions(self) -> list[str]:
+        """Each scene's caption, "a <colour> <shape> and a <colour> <shape>", in scene order."""
+        pairs = self.tiles.pair_of_tile
+        return [caption(pairs[a], pairs[b]) for a, b in zip(self.left.tolist(), self.right.tolist())]
+
     def draw(self, n: int, stream: str, generator: torch.Generator) -> torch.Tensor:
         """n scene indices."""
         if stream == "long_tailed":

@@ -142,9 +142,10 @@ def test_importance_weights_turn_the_pool_into_the_balanced_stream_in_expectatio
 
 
 def test_controls_and_levers_train_on_to_the_equal_compute_lengths():
-    assert composition.train_lengths("plain", [1000]) == [1000, 1300, 2000]
-    # the longest length times each cost: shorter ones are read by interpolation between these points
-    assert composition.train_lengths("plain_balanced_eps", [100, 200]) == [100, 200, 260, 400]
+    assert composition.train_lengths("plain", [1000]) == [1000, 2000]
+    # the longest length times the largest cost: every other variant's compute lies inside and is read by
+    # interpolation between these points
+    assert composition.train_lengths("plain_balanced_eps", [100, 200]) == [100, 200, 400]
     assert composition.train_lengths("plain_concept_balanced", [1000, 1500], factors=(1.3,)) == [1000, 1500, 1950]
     assert composition.train_lengths("importance", [1000]) == [1000]
     assert composition.train_lengths("imba_target", [1000]) == [1000]
@@ -153,6 +154,116 @@ def test_controls_and_levers_train_on_to_the_equal_compute_lengths():
     assert composition.train_lengths("plain", [1000], factors=()) == [1000]
     assert composition.relative_cost("imba_cond_tnorm_efficient") == 1.3
     assert composition.relative_cost("imba_sample") == 2.0 and composition.relative_cost("inverse_freq") == 1.0
+
+
+def test_variants_of_another_cost_leave_the_default_controls_lengths_as_they_were():
+    new = ["caption_balanced", "caption_balanced_a1", "imba_balanced"]
+    for variants in (composition.DEFAULT_VARIANTS, composition.DEFAULT_VARIANTS + new):
+        factors = tuple(sorted({composition.relative_cost(v) for v in variants} - {1.0}))
+        lengths = {v: composition.train_lengths(v, composition.DEFAULT_STEPS, True, factors) for v in variants}
+        for control in ("plain", "plain_balanced", "plain_concept_balanced"):
+            assert lengths[control] == [1000, 1500, 1950]  # the settings of the recorded default runs
+        assert lengths["imba_target_tnorm_efficient"] == [1000, 1500]
+        for variant in set(new) & set(variants):  # compared with the controls, not controls themselves
+            assert lengths[variant] == [1000, 1500] and not composition.is_stream_control(variant)
+    assert composition.relative_cost("caption_balanced") == composition.relative_cost("caption_balanced_a1") == 1.0
+    assert composition.relative_cost("imba_balanced") == pytest.approx(1 + 4 / 96)  # + B/8 no-grad rows at B = 32
+    assert composition.relative_cost("imba_balanced", batch_size=4) == pytest.approx(1 + 1 / 12)  # at least a row
+
+
+def _scene_pool(seed=0, tiles=600):
+    world = PairWorld("concept_tail", seed)
+    pool = TilePool(world, seed=seed, tiles=tiles)
+    return world, pool, ScenePool(pool, seed=seed)
+
+
+def test_caption_balanced_factors_come_from_the_scene_captions_and_favour_a_rare_pairs_scenes():
+    world, pool, scenes = _scene_pool()
+    captions = scenes.captions()
+    left, right = pool.pair_of_tile[int(scenes.left[3])], pool.pair_of_tile[int(scenes.right[3])]
+    assert captions[3] == caption(left, right)
+    stream = composition.WeightedScenes("caption", captions, alpha=0.5)
+    assert stream.table.sample_entries(0)[:2] == captions[0].split()[1:3]  # the first object's colour and shape
+    entries = set(stream.table.entries)
+    assert {"red", "cross", "red:cross", "cross + ring"} <= entries  # concepts, bindings and object pairs
+    assert not any("circle" in e and "hue" in e for e in entries)
+
+    def pairs_of(i):
+        return {pool.pair_of_tile[int(scenes.left[i])], pool.pair_of_tile[int(scenes.right[i])]}
+
+    rare = min(world.seen, key=world.prob)
+    heads = {p for p in world.seen if world.buckets[p] == "head"}
+    with_rare = [i for i in range(len(scenes)) if rare in pairs_of(i)]
+    head_only = [i for i in range(len(scenes)) if pairs_of(i) <= heads]
+    assert with_rare and head_only
+    for alpha in (0.5, 1.0):
+        factors = composition.WeightedScenes("caption", captions, alpha=alpha).factors
+        assert float(factors[with_rare].min()) > float(factors[head_only].mean())
+    full = composition.WeightedScenes("caption", captions, alpha=1.0)
+    # a larger exponent spreads the factors further
+    assert float(full.factors.max() / full.factors.min()) > float(stream.factors.max() / stream.factors.min())
+    g = torch.Generator().manual_seed(0)
+    drawn = stream.draw(40000, g)
+    rate = torch.bincount(drawn, minlength=len(scenes)).double() / len(drawn)
+    expected = stream.factors / stream.factors.sum()
+    assert float(rate[with_rare].sum()) == pytest.approx(float(expected[with_rare].sum()), rel=0.1)
+    # 1.5 times their natural (uniform) rate in this small pool, where the rarest pair's 8 tiles are not so rare
+    assert float(rate[with_rare].sum()) > 1.3 * len(with_rare) / len(scenes)
+    log = stream.log()
+    assert log["max_factor"] == pytest.approx(float(stream.factors.max()))
+    assert log["max_rate_over_uniform"] > 1 and "refreshes" not in log
+
+
+def test_the_online_stream_draws_scenes_by_the_online_balance_factors():
+    from data.online_balance import FACTOR_ONE
+
+    _, pool, scenes = _scene_pool(seed=1)
+    stream = composition.WeightedScenes("imba_online", scenes.captions())
+    assert torch.equal(stream.factors, torch.full((len(scenes),), float(FACTOR_ONE), dtype=torch.float64))
+    rng = torch.Generator().manual_seed(3)
+    # scenes that show a cross are predicted worse without their caption than the rest, at every level
+    cross = torch.tensor(["cross" in c for c in scenes.captions()])
+    for _ in range(6):
+        rows = torch.randint(len(scenes), (200,), generator=rng)
+        level = torch.rand(200, generator=rng)
+        distance = (1 + level) * torch.where(cross[rows], 3.0, 1.0)
+        stream.observe(rows, distance, level)
+        stream.refresh()
+    factors = stream.online.sample_factors()
+    assert torch.equal(stream.factors, torch.from_numpy(factors.astype("float64")))
+    assert float(stream.factors[cross].min()) > float(stream.factors[~cross].mean())
+    n = 40000
+    drawn = stream.draw(n, torch.Generator().manual_seed(0))
+    assert float(cross[drawn].double().mean()) == pytest.approx(
+        float(stream.factors[cross].sum() / stream.factors.sum()), abs=0.01)
+    log = stream.log()
+    assert log["refreshes"] == 6 and log["max_factor"] == float(factors.max()) / FACTOR_ONE
+    assert log["at_cap"] == int((factors >= 16 * FACTOR_ONE).sum()) and log["boosted_entries"] >= 1
+    with pytest.raises(ValueError, match="unknown weighted stream"):
+        composition.WeightedScenes("pair_balanced", scenes.captions())
+
+
+@pytest.mark.slow
+def test_the_balanced_streams_train_on_weighted_scenes_and_log_their_factors(tmp_path):
+    """run_one of the caption- and IMBA-balanced variants: scenes drawn from the weighted stream, the no-grad
+    unconditional rows counted in the compute, and the factors logged per evaluation."""
+    job = dict(world="concept_tail", scenes="fixed", fixed_ranks=False, protocol=composition.PROTOCOL,
+               steps=[composition.BALANCE_EVERY * 2], per_pair=1, sampling_steps=2, batch_size=8, pool=300,
+               oracle=str(composition.ORACLE), oracle_b=None, grid_dir=None, models_dir=None, seed=0)
+    runs = {v: composition.run_one({**job, "variant": v}) for v in ("plain", "caption_balanced", "imba_balanced")}
+    steps = composition.BALANCE_EVERY * 2
+    results = {v: run["results"][steps] for v, run in runs.items()}
+    assert results["caption_balanced"]["compute"] == steps
+    assert results["imba_balanced"]["compute"] == pytest.approx(steps * composition.relative_cost("imba_balanced", 8))
+    assert "stream_factors" not in results["plain"]
+    online = results["imba_balanced"]["stream_factors"]
+    assert online["refreshes"] == 2 and online["max_factor"] >= 1 and 0 <= online["at_cap"] <= 300
+    assert results["caption_balanced"]["stream_factors"]["max_rate_over_uniform"] > 1
+    for variant in ("caption_balanced", "imba_balanced"):
+        assert sum(results[variant]["exposure"].values()) == 2 * 8 * steps
+        assert results[variant]["distinct_scenes"] <= len(TilePool(PairWorld("concept_tail", 0), 0, tiles=300))
+    with pytest.raises(ValueError, match="--scenes fixed"):
+        composition.run_one({**job, "variant": "imba_balanced", "scenes": "online"})
 
 
 def test_hue_words_leave_the_named_words_and_positions_as_they_were():
