@@ -8,14 +8,16 @@ equal bins of t in [0, 1). A row counts once for each of its sample's entries (`
 concepts, attribute:object bindings and object pairs); a row whose level's mean is not known yet (before the first
 refresh) only feeds the means.
 
-Running statistics. Per entry e: S_e, the sum of the n of its rows, and C_e, their count; per level bin the sums of
-d and counts. Every refresh first halves all of them (older windows fade: a refresh's window weighs as much as
+Running statistics. Per entry e: S_e, the sum of the n of its rows, and C_e, their count; over all rows, the sum
+of n and the count (their mean n̄); per level bin the sums of d and counts. Every refresh first halves all of them (older windows fade: a refresh's window weighs as much as
 everything before it), then adds what the window since the last refresh observed. Every quantity is an integer
 in fixed point, so sums over ranks (`refresh(reduce)`) are exact and do not depend on their order or the number of
 processes: every rank derives the same weights.
 
-Rule. An entry's score is its mean n, shrunk towards 1 by a prior of `PRIOR_ROWS` rows at score 1:
-s_e = (S_e + PRIOR_ROWS) / (C_e + PRIOR_ROWS) (in rows). At each refresh an entry observed in the window moves its
+Rule. An entry's score is its mean n relative to the average row's, shrunk towards 1 by a prior of `PRIOR_ROWS`
+rows at the average: s_e = (S_e + PRIOR_ROWS · n̄) / ((C_e + PRIOR_ROWS) · n̄). Reading it relative to n̄ matters
+while the loss falls: the level means come from earlier windows, so every row's n is then below 1, and only how far
+an entry is from the average row tells it apart. At each refresh an entry observed in the window moves its
 weight by the square root of its score, w_e ← clip(w_e · √s_e, 1, max_factor): an entry whose rows the model
 predicts worse than average without their caption (s > 1) is drawn more at every refresh until its distance comes
 down to the average or its weight reaches `max_factor`; one whose distance has fallen below the average (s < 1)
@@ -40,7 +42,7 @@ FACTOR_ONE = 1 << 16  # fixed point of weights, factors and scores: FACTOR_ONE =
 DISTANCE_ONE = 1 << 20  # fixed point of the distances summed per level bin
 PRIOR_ROWS = 8  # rows at score 1 that every entry's mean score is shrunk with
 MAX_SCORE = 64  # one row's n is clipped here: a single outlier row cannot move an entry's weight far
-_ARRAYS = ("bin_sum", "bin_rows", "entry_sum", "entry_rows")
+_ARRAYS = ("bin_sum", "bin_rows", "entry_sum", "entry_rows", "row_sum", "row_count")
 
 
 class OnlineBalance:
@@ -53,7 +55,8 @@ class OnlineBalance:
             raise ValueError(f"bins must be >= 1, got {bins}")
         self.table, self.max_factor, self.bins = table, float(max_factor), int(bins)
         entries = len(table.entries)
-        sizes = {"bin_sum": bins, "bin_rows": bins, "entry_sum": entries, "entry_rows": entries}
+        sizes = {"bin_sum": bins, "bin_rows": bins, "entry_sum": entries, "entry_rows": entries, "row_sum": 1,
+                 "row_count": 1}
         self.running = {k: np.zeros(n, np.int64) for k, n in sizes.items()}
         self.window = {k: np.zeros(n, np.int64) for k, n in sizes.items()}  # this process's, since the refresh
         self.weights = np.full(entries, FACTOR_ONE, np.int64)
@@ -82,6 +85,8 @@ class OnlineBalance:
         mean = self.running["bin_sum"][b[known]] / rows[known]  # in DISTANCE_ONE units
         n = np.minimum(d[known] * DISTANCE_ONE / np.maximum(mean, 1.0), MAX_SCORE)
         score = np.rint(n * FACTOR_ONE).astype(np.int64)
+        self.window["row_sum"][0] += score.sum()
+        self.window["row_count"][0] += FACTOR_ONE * score.size
         ptr = self.table.ptr
         first, lengths = ptr[idx[known]], ptr[idx[known] + 1] - ptr[idx[known]]
         if lengths.sum() == 0:
@@ -112,17 +117,18 @@ class OnlineBalance:
             self.running[k] = (self.running[k] >> 1) + window[k]
             self.window[k] = np.zeros_like(self.window[k])
         seen = window["entry_rows"] > 0
-        prior = PRIOR_ROWS * FACTOR_ONE
-        score = (self.running["entry_sum"][seen] + prior) / (self.running["entry_rows"][seen] + prior)
+        score = self.scores()[seen]
         moved = np.rint(self.weights[seen] * np.sqrt(score))
         self.weights[seen] = np.clip(moved, FACTOR_ONE, round(self.max_factor * FACTOR_ONE)).astype(np.int64)
         self.refreshes += 1
 
     # ---- reading ----------------------------------------------------------------------------------------------
     def scores(self) -> np.ndarray:
-        """Each entry's current mean score s_e (float; 1 for an entry never scored)."""
+        """Each entry's current score s_e (float; 1 for an entry never scored)."""
+        rows = int(self.running["row_count"][0])
+        mean = int(self.running["row_sum"][0]) / rows if rows else 1.0  # n̄
         prior = PRIOR_ROWS * FACTOR_ONE
-        return (self.running["entry_sum"] + prior) / (self.running["entry_rows"] + prior)
+        return (self.running["entry_sum"] + prior * mean) / ((self.running["entry_rows"] + prior) * mean)
 
     def sample_factors(self) -> np.ndarray:
         """Each sample's factor, int64 in FACTOR_ONE units: the largest weight among its entries."""
