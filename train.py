@@ -24,14 +24,14 @@ from data.skips import reader_stats
 from imba.monitor import BucketMonitor
 from imba.objectives import build_objective
 from imba.training.build import build_dit, build_optimizer, build_training_loss, load_features
-from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
+from imba.training.checkpoints import TrainState, newest_intact, register, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
-from imba.training.inputs import (all_shards, concept_bucketer, make_loader, precompute_once, precompute_sources,
-                                  precomputes, training_sources)
+from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
+                                  precompute_sources, precomputes, training_sources)
 from imba.training.metrics import JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
 from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
@@ -81,6 +81,10 @@ def main(argv: list[str]) -> int:
     ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)  # ZeRO-3: each rank averages its own slice
     state = TrainState(world_size=accelerator.num_processes, loss=loss_fn)
     register_state(accelerator, ema, state)
+    # data.balance=imba: sampling weights that follow the IMBA distance; its statistics resume with the run
+    balancer = online_balancer(cfg, accelerator, sources, dit.config.patch_size, objective.num_train_timesteps)
+    if balancer is not None:
+        register(accelerator, "online_balance", balancer)
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
     state.world_size = accelerator.num_processes
@@ -88,7 +92,7 @@ def main(argv: list[str]) -> int:
     # ---- data ------------------------------------------------------------------------------------------------
     # the loader continues where the checkpoint's processes stopped (weighted stream: the same draws on any count)
     loader = make_loader(cfg, accelerator, sources, state.step, resume.saved_world_size, manifest,
-                         bucket_divisor=features.vae_scale * dit.config.patch_size)
+                         bucket_divisor=features.vae_scale * dit.config.patch_size, balancer=balancer)
     batches = iter(loader)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
 
@@ -117,8 +121,11 @@ def main(argv: list[str]) -> int:
         with accelerator.accumulate(wrapped):
             latents, cond = features.encode_batch(batch, device)
             noised = objective.noise(latents)
+            null = features.null_like(latents.shape[0])
             with accelerator.autocast():
-                loss, stats = loss_fn(predict_fn, noised, cond, features.null_like(latents.shape[0]))
+                loss, stats = loss_fn(predict_fn, noised, cond, null)
+                if balancer is not None:  # the rows' IMBA distances (the loss's, or a no-grad pass of a few rows)
+                    balancer.observe(batch["indices"], stats, predict_fn, noised, null)
             accelerator.backward(loss)  # under DeepSpeed this also steps, unless its overflow check skips
             guard.add_loss(loss)
             skip = False
@@ -139,6 +146,8 @@ def main(argv: list[str]) -> int:
         state.step += 1
         progress.update(1)
         step, last = state.step, state.step == cfg.train.max_steps
+        if balancer is not None and (refreshed := balancer.step_done(step, accelerator)):
+            accelerator.print(refreshed)  # new weights, in effect a few steps on
         if skip:
             accelerator.print(f"warning: step {step} skipped: non-finite loss or gradient norm "
                               f"({guard.consecutive} in a row, the run stops at {guard.max_bad_steps})")
@@ -176,6 +185,8 @@ def main(argv: list[str]) -> int:
             return DIVERGED_EXIT_CODE
         with throughput.paused():
             if saving:
+                if balancer is not None:
+                    balancer.sync(accelerator)  # every rank's observations since the last refresh, in the checkpoint
                 save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
             if not last and not preempted and cfg.train.sample_every and step % cfg.train.sample_every == 0:
                 grids.save(dit, ema, step)

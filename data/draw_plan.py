@@ -38,12 +38,13 @@ from .sources import SourceMix
 from .weighted import UNIT, expected_draws_to_units
 
 __all__ = ["PLAN_VERSION", "DrawPlan", "plan_draws", "plan_fingerprint", "load_plan", "index_captions",
-           "describe_plan", "plot_plan"]
+           "describe_plan", "plot_plan", "entry_table", "load_entry_table"]
 
 log = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 UNITS_NAME, REPORT_NAME, PLOT_NAME = "draws.npy", "draws.json", "draws.png"
+TABLE_NAME = "entries.npz"  # data.balance=imba: every sample's entries, for the online balance
 REPORTED_COMBINATIONS = 20  # the most boosted pairs and bindings listed in the report
 
 
@@ -212,3 +213,32 @@ def plot_plan(plan: DrawPlan, folder: str | os.PathLike) -> Path | None:
     return plot_drawn_vs_natural(rows, Path(folder) / PLOT_NAME, combinations=combos,
                                  title=f"Draws per epoch by concept: natural vs {plan.report['balance']['method']}")
 
+
+
+def entry_table(index: ShardIndex, folder: str | os.PathLike, fingerprint: str, extractor: Callable | None = None,
+                caption_field: str = "caption", workers: int = 1, progress: bool = False) -> ConceptTable:
+    """Every sample's entries (`data.balance.caption_entries`) in index order, from `folder` when stored there for
+    `fingerprint`, else read from the captions and stored (`entries.npz`). Call it in the main process; the others
+    wait for `load_entry_table(folder, fingerprint)`."""
+    table = load_entry_table(folder, fingerprint)
+    if table is not None:
+        return table
+    extractor = _extractor(BalanceSettings("temperature"), extractor)  # the default vocabulary unless given
+    table = build_concept_table(index_captions(index, caption_field), extractor, workers=workers, progress=progress)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(folder) / TABLE_NAME, lambda f: np.savez(
+        f, fingerprint=np.asarray(fingerprint), entries=np.asarray(table.entries, dtype=str), ptr=table.ptr,
+        ids=table.ids))
+    return table
+
+
+def load_entry_table(folder: str | os.PathLike, fingerprint: str) -> ConceptTable | None:
+    """The entry table stored in `folder` for `fingerprint` (None when absent, incomplete or for another one)."""
+    try:
+        with np.load(Path(folder) / TABLE_NAME, allow_pickle=False) as stored:
+            if str(stored["fingerprint"]) != fingerprint:
+                return None
+            return ConceptTable([str(e) for e in stored["entries"]], stored["ptr"].astype(np.int64),
+                                stored["ids"].astype(np.int32))
+    except (OSError, ValueError, KeyError):
+        return None

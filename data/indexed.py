@@ -167,8 +167,10 @@ class IndexedShards(torch.utils.data.Dataset):
         return self.get(i)
 
     def get_batch(self, indices: Sequence[int], size: tuple[int, int] | None = None) -> dict[str, Any]:
-        """The collated batch of samples `indices` (each substituted like `get`), pixels of `size`."""
-        return collate_samples([self.get(i, size) for i in indices])
+        """The collated batch of samples `indices` (each substituted like `get`), pixels of `size`; "indices" names
+        the samples read."""
+        samples = [self.get(i, size) for i in indices]
+        return {**collate_samples(samples), "indices": [s["index"] for s in samples]}
 
     def get(self, i: int, size: tuple[int, int] | None = None) -> dict[str, Any]:
         """Sample i (or its substitute) with pixels of `size` = (height, width), default the square resolution."""
@@ -189,6 +191,7 @@ class IndexedShards(torch.utils.data.Dataset):
                 tried += 1
                 sample = self._try(k, size)
                 if sample is not None:
+                    sample["index"] = k  # the sample read, which a substitute is not: online balancing scores it
                     return sample
                 if shard not in self._bad_shards:
                     self._known_bad.add(k)
@@ -227,7 +230,8 @@ def _identity(batch: Any) -> Any:
 
 
 class IndexedLoader:
-    """Iterable of {"pixels": (B, 3, R, R), "captions": [str], "keys": [str]}; each `iter()` starts at `start_batch`.
+    """Iterable of {"pixels": (B, 3, R, R), "captions": [str], "keys": [str], "indices": [int]}; each `iter()`
+    starts at `start_batch`.
 
     With a `BucketBatchSampler`, pixels are (B, 3, h, w) for the batch's bucket (h, w). `stats` (main process)
     sums good and bad samples over all workers; `batches_per_epoch` is per rank; `sampler.batch_indices(t)` tells

@@ -5,8 +5,8 @@ Signal. For a scored row (a sample of a training batch), d is its IMBA distance:
 (target − unconditional prediction)², the quantity the IMBA loss weights tokens by. d depends strongly on the noise
 level t, so each row is read relative to the running mean distance at its level: n = d / m(bin of t), over `bins`
 equal bins of t in [0, 1). A row counts once for each of its sample's entries (`data.balance.caption_entries`: its
-concepts, attribute:object bindings and object pairs); a row whose level's mean is not known yet (before the first
-refresh) only feeds the means.
+concepts, attribute:object bindings and object pairs). Before the first refresh rows only feed the means; a row at
+a level with no mean yet is read against the mean over all levels.
 
 Running statistics. Per entry e: S_e, the sum of the n of its rows, and C_e, their count; over all rows, the sum
 of n and the count (their mean n̄); per level bin the sums of d and counts. Every refresh first halves all of them (older windows fade: a refresh's window weighs as much as
@@ -78,17 +78,18 @@ class OnlineBalance:
         b = np.clip((t * self.bins).astype(np.int64), 0, self.bins - 1)
         np.add.at(self.window["bin_sum"], b, np.rint(d * DISTANCE_ONE).astype(np.int64))
         np.add.at(self.window["bin_rows"], b, 1)
-        rows = self.running["bin_rows"][b]
-        known = rows > 0
-        if not known.any():
+        all_rows = int(self.running["bin_rows"].sum())
+        if not all_rows:  # before the first refresh: no level's mean yet
             return
-        mean = self.running["bin_sum"][b[known]] / rows[known]  # in DISTANCE_ONE units
-        n = np.minimum(d[known] * DISTANCE_ONE / np.maximum(mean, 1.0), MAX_SCORE)
+        rows = self.running["bin_rows"][b]
+        pooled = int(self.running["bin_sum"].sum()) / all_rows
+        mean = np.where(rows > 0, self.running["bin_sum"][b] / np.maximum(rows, 1), pooled)  # DISTANCE_ONE units
+        n = np.minimum(d * DISTANCE_ONE / np.maximum(mean, 1.0), MAX_SCORE)
         score = np.rint(n * FACTOR_ONE).astype(np.int64)
         self.window["row_sum"][0] += score.sum()
         self.window["row_count"][0] += FACTOR_ONE * score.size
         ptr = self.table.ptr
-        first, lengths = ptr[idx[known]], ptr[idx[known] + 1] - ptr[idx[known]]
+        first, lengths = ptr[idx], ptr[idx + 1] - ptr[idx]
         if lengths.sum() == 0:
             return
         # the entry ids of every kept row, laid end to end

@@ -422,8 +422,8 @@ class PrecomputedShards(IndexedShards):
     "text_mask": (L,) int64, "caption", "key"}. `ds.get_batch(indices)` -> a loader batch with the stored bytes
     packed, not decoded: {"latent_moments": (B, 2, C, h, w) float16, "text_states": (T, D) in the stored dtype
     (float16, bfloat16 or int8) holding the valid tokens of the B samples one after the other, "text_scale": (T,)
-    float32 (int8 only), "text_lengths": (B,) int64, "captions", "keys"}; `unpack_batch` widens and pads it on
-    the training device. Each sample is read with one `preadv` into a page-aligned buffer kept per batch row, its
+    float32 (int8 only), "text_lengths": (B,) int64, "captions", "keys", "indices"}; `unpack_batch` widens and pads it
+    on the training device. Each sample is read with one `preadv` into a page-aligned buffer kept per batch row, its
     members are parsed in place, and its arrays are copied once, into the batch: in a worker, shared memory made
     for it; in the main process, memory recycled from batches that are gone (`_RecycledMemory`).
     """
@@ -510,7 +510,8 @@ class PrecomputedShards(IndexedShards):
                 scale[at:at + n].copy_(torch.from_numpy(sample["scale"]))
             at += n
         batch = {"latent_moments": latent, "text_states": text, "text_lengths": torch.tensor(lengths),
-                 "captions": [s["caption"] for s in samples], "keys": [s["key"] for s in samples]}
+                 "captions": [s["caption"] for s in samples], "keys": [s["key"] for s in samples],
+                 "indices": [s["index"] for s in samples]}
         if scaled:
             batch["text_scale"] = scale
         return batch

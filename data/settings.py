@@ -48,12 +48,19 @@ class DataConfig:
     epoch_samples: int = 0  # draws per epoch with data.sources or data.balance; 0 = the samples of the sources
     # sampling weights from the captions' concepts (data/balance.py): none | temperature (weight = count of the
     # sample's rarest concept or combination ^ -balance_alpha) | cap (MetaCLIP: entries above balance_cap drawn less)
+    # | imba (online: concepts and combinations drawn more while the model's IMBA distance on them is above the
+    # average, data/online_balance.py)
     balance: str = "none"
     balance_alpha: float = 0.5  # temperature: 0 = natural, 1 = every rarest entry drawn about equally often
     balance_cap: int = 0  # cap: the threshold count t (MetaCLIP: 20000 for 400M captions)
+    balance_every: int = 100  # imba: steps between weight refreshes
+    # imba with the plain loss: share of each batch's rows scored by a no-grad unconditional pass (the IMBA loss
+    # scores every row itself, at no extra cost)
+    balance_fraction: float = 0.125
+    balance_max: float = 16.0  # imba: the most a concept's draws may be multiplied by (1 = natural)
 
     CHOICES: ClassVar[dict] = {"mode": ("auto", "indexed", "streaming"), "precompute": ("auto", "true", "false"),
-                               "balance": BALANCE_METHODS}
+                               "balance": (*BALANCE_METHODS, "imba")}
     RANGES: ClassVar[dict] = {
         "resolution": ">= 1",
         "batch_size": ">= 1",
@@ -66,6 +73,9 @@ class DataConfig:
         "epoch_samples": ">= 0 (0 = the samples of the sources)",
         "balance_alpha": ">= 0",
         "balance_cap": ">= 0 (0 = not set)",
+        "balance_every": ">= 1",
+        "balance_fraction": "in (0, 1]",
+        "balance_max": ">= 1 (1 = natural)",
     }
 
     def synthetic(self) -> bool:
@@ -95,6 +105,9 @@ class DataConfig:
         if self.balance == "cap" and self.balance_cap < 1:
             raise ValueError("data.balance=cap needs data.balance_cap=T >= 1: entries in more than T samples are "
                              "drawn less (MetaCLIP used 20000 for 400M captions)")
+        if self.balance == "imba" and self.bucketing:
+            raise ValueError("data.balance=imba does not draw aspect-ratio buckets yet: set data.bucketing=false, or "
+                             "balance offline (data.balance=temperature or cap)")
         if self.weighted() and self.mode == "streaming":
             raise ValueError("data.sources and data.balance need indexed reading (local shards): the streaming "
                              "reader cannot draw by weight and resume exactly; set data.mode=auto or indexed")

@@ -41,7 +41,8 @@ import numpy as np
 from .order import BucketBatch, feistel_permute
 from .seeds import derive_seed
 
-__all__ = ["UNIT", "expected_draws_to_units", "WeightedOrder", "StreamBatchSampler", "WeightedBucketSampler"]
+__all__ = ["UNIT", "expected_draws_to_units", "reweighted_units", "WeightedOrder", "SegmentedOrder", "StreamBatchSampler",
+           "WeightedBucketSampler"]
 
 UNIT = 1 << 20  # units per expected draw: weights are exact to ~1e-6 of a draw
 
@@ -56,7 +57,12 @@ def expected_draws_to_units(expected: np.ndarray | Sequence[float], samples_per_
     if not np.all(np.isfinite(exp)) or exp.min() < 0 or exp.sum() <= 0:
         raise ValueError("expected draws must be finite, >= 0 and not all 0")
     total = samples_per_epoch * UNIT
-    scaled = exp * (total / exp.sum())
+    return _round_to_total(exp * (total / exp.sum()), total)
+
+
+def _round_to_total(scaled: np.ndarray, total: int) -> np.ndarray:
+    """int64 floors of `scaled` (>= 0, summing to about `total`), the units they leave over given one each to the
+    largest remainders (ties: lower index), so they sum to exactly `total`."""
     units = np.floor(scaled).astype(np.int64)
     short = int(total - units.sum())
     if short > 0:  # floors lose < 1 unit each, so 0 <= short < N
@@ -67,6 +73,22 @@ def expected_draws_to_units(expected: np.ndarray | Sequence[float], samples_per_
         top = np.argsort(-units, kind="stable")[: -short]
         units[top] -= 1
     return units
+
+
+def reweighted_units(units: np.ndarray, factors: np.ndarray, starts: Sequence[int]) -> np.ndarray:
+    """`units` re-spread within each group (group k: samples starts[k] to starts[k+1], e.g. the sources) in
+    proportion to the integer `factors`, each group keeping its total. Exact integer sums and one division per group:
+    every machine derives the same units from the same factors."""
+    units = np.asarray(units, np.int64)
+    factors = np.asarray(factors, np.int64)
+    if factors.shape != units.shape or (factors.size and factors.min() < 1):
+        raise ValueError(f"need one factor >= 1 per sample ({factors.size} factors for {units.size} samples)")
+    out = np.zeros_like(units)
+    for a, b in zip(starts[:-1], starts[1:]):
+        total = int(units[a:b].sum())
+        if total:
+            out[a:b] = _round_to_total(factors[a:b] * (total / int(factors[a:b].sum())), total)
+    return out
 
 
 class WeightedOrder:
@@ -130,6 +152,54 @@ class WeightedOrder:
         return self.units / UNIT
 
 
+class SegmentedOrder:
+    """A weighted stream whose weights change at stream positions (online balancing): segment k draws the positions
+    from its start to the next segment's start by its own `WeightedOrder` (its units, keyed by the seed and its start
+    position), so the stream stays a pure function of (seed, the segments, position) on any process count.
+
+    `known_until`: the first position whose weights are not decided yet (None: no limit). Asking for it is a
+    RuntimeError rather than a silent draw by outdated weights: whoever adds segments must keep it ahead of what the
+    loader prefetches.
+    """
+
+    def __init__(self, units: np.ndarray | Sequence[int], samples_per_epoch: int, seed: int = 0):
+        self.samples_per_epoch, self.seed = int(samples_per_epoch), seed
+        self.segments: list[tuple[int, WeightedOrder]] = [(0, WeightedOrder(units, samples_per_epoch, seed))]
+        self.num_samples = self.segments[0][1].num_samples
+        self.known_until: int | None = None
+        self._lowest = 0  # the first position of the latest request: segments that end before it are dropped
+
+    def add(self, start: int, units: np.ndarray | Sequence[int]) -> None:
+        """Draw positions from `start` on by `units` (a segment that started at or after `start` is replaced)."""
+        if start < 0:
+            raise ValueError(f"a segment cannot start at position {start}")
+        order = WeightedOrder(units, self.samples_per_epoch, derive_seed("weighted-segment", self.seed, start))
+        if order.num_samples != self.num_samples:
+            raise ValueError(f"a segment of {order.num_samples} samples in a stream of {self.num_samples}")
+        self.segments = [s for s in self.segments if s[0] < start] + [(start, order)]
+        while len(self.segments) > 1 and self.segments[1][0] <= self._lowest:
+            self.segments.pop(0)
+
+    def samples(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Sample indices at stream positions `positions` (as `WeightedOrder.samples`)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and self.known_until is not None and pos.max() >= self.known_until:
+            raise RuntimeError(f"stream position {int(pos.max())} is past {self.known_until}, the last position whose "
+                               "weights are decided: the weights are refreshed too late for how far the loader reads "
+                               "ahead")
+        if pos.size:
+            self._lowest = max(self._lowest, int(pos.min()))
+        out = np.empty_like(pos)
+        starts = [s for s, _ in self.segments]
+        which = np.searchsorted(starts, pos, side="right") - 1
+        if pos.size and which.min() < 0:
+            raise ValueError(f"position {int(pos.min())} is before the stream's first segment ({starts[0]})")
+        for k in np.unique(which):
+            sel = which == k
+            out[sel] = self.segments[k][1].samples(pos[sel])
+        return out
+
+
 class StreamBatchSampler:
     """Infinite stream of this rank's batches (lists of sample indices) from a `WeightedOrder`: batch t holds stream
     positions samples_done + (t * world_size + rank) * batch_size + [0, batch_size) (see the module doc).
@@ -138,7 +208,7 @@ class StreamBatchSampler:
     step * grad_accum * saved_world_size * batch_size), so the stream continues exactly on any process count.
     """
 
-    def __init__(self, order: WeightedOrder, batch_size: int, *, rank: int = 0, world_size: int = 1,
+    def __init__(self, order: WeightedOrder | SegmentedOrder, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  samples_done: int = 0):
         if batch_size < 1 or world_size < 1 or samples_done < 0:
             raise ValueError(f"need batch_size >= 1, world_size >= 1, samples_done >= 0 (got {batch_size}, "

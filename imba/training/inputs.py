@@ -1,6 +1,7 @@
 """What a run reads: its sources (data.sources, data.shards, or a synthetic set written once; with data.precompute,
 their features encoded once), their loader (with data.sources or data.balance, a weighted stream drawn by the
-run's draw plan), and the concept buckets the IMBA monitor labels captions with."""
+run's draw plan; with data.balance=imba, re-weighted online by `imba.training.balancing`), and the concept buckets
+the IMBA monitor labels captions with."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from accelerate import Accelerator
 
 from data.balance import BalanceSettings
 from data.concepts import CaptionBucketer, collect_stats, extractor_from_stats, write_stats
-from data.draw_plan import DrawPlan, describe_plan, load_plan, plan_draws, plan_fingerprint, plot_plan
+from data.draw_plan import (DrawPlan, describe_plan, entry_table, load_entry_table, load_plan, plan_draws,
+                             plan_fingerprint, plot_plan)
 from data.files import read_json_object, write_json
 from data.buckets import assign_buckets, bucket_sizes
 from data.index import ShardIndex, load_or_build_index
@@ -27,7 +29,9 @@ from data.skips import NoUsableSamples, too_small_advice
 from data.urls import expand_urls, is_remote
 from data.sources import Source, SourceMix, check_same_kind, resolve_sources
 from data.synthetic import write_synthetic_shards
+from data.online_balance import OnlineBalance
 from data.weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
+from imba.training.balancing import OnlineBalancer, loader_lag
 from imba.training.config import Config, ConfigError
 from imba.training.resume import batches_done
 
@@ -143,12 +147,12 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> t
         mix = SourceMix(sources, index.nsamples, d.epoch_samples)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    stats = cfg.train.concept_stats
-    extractor = extractor_from_stats(stats) if stats not in ("auto", "none") else None
-    balance = BalanceSettings(d.balance, d.balance_alpha, d.balance_cap)
+    extractor = _extractor(cfg)
+    # data.balance=imba starts from the natural stream: its weights come from the run
+    balance = BalanceSettings(*((d.balance, d.balance_alpha, d.balance_cap) if d.balance != "imba" else ()))
     if accelerator.is_main_process:
         plan = plan_draws(index, mix, balance, folder, extractor=extractor, caption_field=d.caption_field,
-                          progress=True, workers=min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1)
+                          progress=True, workers=_caption_workers(index))
         for line in describe_plan(plan):
             print(line)
         drawn = plot_plan(plan, folder)
@@ -161,25 +165,67 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> t
     return plan, index
 
 
+def _extractor(cfg: Config):
+    """The concept extractor of train.concept_stats's vocabulary, or None for the default one."""
+    stats = cfg.train.concept_stats
+    return extractor_from_stats(stats) if stats not in ("auto", "none") else None
+
+
+def _caption_workers(index: ShardIndex) -> int:
+    return min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1
+
+
+def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source], patch_size: int,
+                    num_train_timesteps: int) -> OnlineBalancer | None:
+    """data.balance=imba's balancer over the run's natural draw plan and its samples' entries (read once from the
+    captions by the main process into <train.output_dir>/data/entries.npz); None for other settings."""
+    d = cfg.data
+    if d.balance != "imba":
+        return None
+    plan, index = draw_plan(cfg, accelerator, sources)
+    folder, fingerprint = Path(cfg.train.output_dir) / PLAN_DIR, plan.report["fingerprint"]
+    if accelerator.is_main_process:
+        table = entry_table(index, folder, fingerprint, _extractor(cfg), d.caption_field,
+                            workers=_caption_workers(index), progress=True)
+    else:  # polled, as the plan is
+        while (table := load_entry_table(folder, fingerprint)) is None:
+            time.sleep(PLAN_POLL_S)
+    accelerator.wait_for_everyone()
+    starts = SourceMix(sources, index.nsamples, d.epoch_samples).starts
+    lag = loader_lag(d.num_workers, d.loader_threads, cfg.train.grad_accum)
+    accelerator.print(f"data: balanced online by the IMBA distance of {len(table.entries):,} concepts and "
+                      f"combinations: weights refreshed every {d.balance_every} steps (in effect {lag} steps later), "
+                      f"at most {d.balance_max:g}x natural")
+    return OnlineBalancer(OnlineBalance(table, max_factor=d.balance_max), plan.units, starts, plan.samples_per_epoch,
+                          cfg.train.seed, every=d.balance_every, fraction=d.balance_fraction, lag=lag,
+                          patch_size=patch_size, num_train_timesteps=num_train_timesteps,
+                          rank=accelerator.process_index)
+
+
 def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], step: int, saved_world_size: int,
-                manifest: dict | None, bucket_divisor: int):
+                manifest: dict | None, bucket_divisor: int, balancer: OnlineBalancer | None = None):
     """The loader of `cfg.data`, continuing after `step` optimizer steps of `saved_world_size` processes: exactly,
-    on any process count, for the weighted stream (data.sources, data.balance); in indexed mode after as many
-    samples; in streaming mode reseeded."""
+    on any process count, for the weighted stream (data.sources, data.balance; data.balance=imba: `balancer`'s
+    stream); in indexed mode after as many samples; in streaming mode reseeded."""
     d, world = cfg.data, accelerator.num_processes
     consumed = batches_done(step, cfg.train.grad_accum, saved_world_size, world)
     sampler = None
     if d.weighted():
-        plan, index = draw_plan(cfg, accelerator, sources)
         samples_done = step * cfg.train.grad_accum * saved_world_size * d.batch_size
         where = dict(rank=accelerator.process_index, world_size=world, samples_done=samples_done)
-        if d.bucketing:  # the bucket of each image from the sizes in the index; the plan's draws within each bucket
+        if balancer is not None:  # its stream: the natural plan, re-weighted as the run goes
+            balancer.begin(step, samples_done, cfg.train.grad_accum * world * d.batch_size)
+            plan = balancer.order
+            sampler = StreamBatchSampler(balancer.order, d.batch_size, **where)
+        elif d.bucketing:  # the bucket of each image from the sizes in the index; the plan's draws within each bucket
+            plan, index = draw_plan(cfg, accelerator, sources)
             buckets = bucket_sizes(d.resolution, bucket_divisor)
             sampler = WeightedBucketSampler(plan.units, plan.samples_per_epoch,
                                             assign_buckets(index.sizes[:, 0], index.sizes[:, 1], buckets), buckets,
                                             d.batch_size, seed=cfg.train.seed, **where)
             accelerator.print(f"data: aspect-ratio buckets, draws per epoch: {sampler.describe()}")
         else:
+            plan, index = draw_plan(cfg, accelerator, sources)
             sampler = StreamBatchSampler(WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed),
                                          d.batch_size, **where)
         if step:

@@ -54,6 +54,9 @@ def _data_line(cfg: Config) -> str:
         text += f", balanced by concepts (temperature, alpha {d.balance_alpha:g})"
     elif d.balance == "cap":
         text += f", balanced by concepts (cap {d.balance_cap})"
+    elif d.balance == "imba":
+        text += (f", balanced online by the IMBA distance (refreshed every {d.balance_every} steps, at most "
+                 f"{d.balance_max:g}x natural)")
     return text
 
 

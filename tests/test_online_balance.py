@@ -1,0 +1,273 @@
+"""Online balancing (data.balance=imba): the weight rule of data/online_balance.py against its statement, exact sums
+over ranks, the segmented stream of data/weighted.py, and the training-loop balancer of imba/training/balancing.py."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from data.balance import build_concept_table
+from data.concepts import default_extractor
+from data.online_balance import FACTOR_ONE, PRIOR_ROWS, OnlineBalance
+from data.weighted import UNIT, SegmentedOrder, WeightedOrder, expected_draws_to_units, reweighted_units
+from imba.training.balancing import OnlineBalancer, loader_lag
+
+RARE = "a red cross and a blue ring"
+HEAD = "a blue square and a red ring"
+
+
+@pytest.fixture(scope="module")
+def table():
+    # samples 0-4 rare, 5-94 head, 95-99 without a caption
+    return build_concept_table([RARE] * 5 + [HEAD] * 90 + [""] * 5, default_extractor())
+
+
+def weight(balance, entry):
+    return int(balance.weights[balance.table.entries.index(entry)])
+
+
+def feed(balance, rng, rare_distance=2.0, head_distance=1.0, batches=20, scale=1.0):
+    """Rows drawn uniformly from the 95 captioned samples; rows of rare samples at `rare_distance`."""
+    for _ in range(batches):
+        idx = rng.integers(0, 95, 16)
+        level = rng.random(16)
+        d = scale * (1 + level) * np.where(idx < 5, rare_distance, head_distance)
+        balance.observe(idx, d, level)
+
+
+def test_rare_entries_predicted_worse_gain_weight_each_refresh_up_to_the_cap(table):
+    balance, rng = OnlineBalance(table, max_factor=4.0), np.random.default_rng(0)
+    feed(balance, rng)
+    balance.refresh()  # the first window only gives the level means
+    assert (balance.weights == FACTOR_ONE).all()
+    history = []
+    for _ in range(12):
+        feed(balance, rng)
+        balance.refresh()
+        history.append(weight(balance, "red:cross"))
+    assert all(b >= a for a, b in zip(history, history[1:])) and history[0] > FACTOR_ONE
+    assert history[-1] == 4 * FACTOR_ONE  # capped at max_factor
+    for entry in ("cross", "cross + ring"):  # every entry of the rare caption
+        assert weight(balance, entry) == 4 * FACTOR_ONE
+    for entry in ("square", "blue:square", "ring + square"):  # entries of head captions only
+        assert weight(balance, entry) == FACTOR_ONE
+    factors = balance.sample_factors()
+    assert (factors[:5] == 4 * FACTOR_ONE).all()
+    # head samples share "red" and "ring" with the rare caption: those came out below average, not boosted
+    assert (factors[5:95] == FACTOR_ONE).all() and (factors[95:] == FACTOR_ONE).all()
+
+
+def test_a_weight_moves_by_the_square_root_of_its_shrunk_score(table):
+    balance = OnlineBalance(table, max_factor=16.0, bins=1)
+    balance.observe(np.arange(10), np.ones(10), np.zeros(10))
+    balance.refresh()  # level mean 1
+    balance.observe([0, 5, 6, 7], [3.0, 1.0, 1.0, 1.0], np.zeros(4))
+    balance.refresh()
+    # running (halved first window has no entry rows): rows n = 3, 1, 1, 1 -> n̄ = 1.5; "cross": one row at 3
+    mean = 1.5
+    score = (3 + PRIOR_ROWS * mean) / ((1 + PRIOR_ROWS) * mean)
+    assert weight(balance, "cross") == round(FACTOR_ONE * math.sqrt(score))
+    assert balance.scores()[table.entries.index("cross")] == pytest.approx(score)
+
+
+def test_a_boosted_entry_gives_its_draws_back_once_its_distance_falls_but_never_below_natural(table):
+    balance, rng = OnlineBalance(table, max_factor=8.0), np.random.default_rng(1)
+    for _ in range(6):
+        feed(balance, rng)
+        balance.refresh()
+    peak = weight(balance, "red:cross")
+    assert peak > 2 * FACTOR_ONE
+    trace = []
+    for _ in range(10):
+        feed(balance, rng, rare_distance=0.5)
+        balance.refresh()
+        trace.append(weight(balance, "red:cross"))
+    # the first refresh still averages the old windows in (each window weighs as much as all before it)
+    assert trace[2] < peak and trace[-1] == FACTOR_ONE and min(trace) == FACTOR_ONE
+    assert all(b <= a for a, b in zip(trace[1:], trace[2:]))
+
+
+def test_a_loss_falling_for_every_sample_does_not_hide_the_rare_ones(table):
+    # the level means come from earlier, higher-loss windows: every row's n is below 1, the rare rows still 2x
+    balance, rng = OnlineBalance(table), np.random.default_rng(2)
+    for k in range(5):
+        feed(balance, rng, scale=0.5 ** k)
+        balance.refresh()
+    assert weight(balance, "red:cross") > FACTOR_ONE
+    assert weight(balance, "blue:square") == FACTOR_ONE
+
+
+def test_entries_never_scored_keep_the_natural_weight(table):
+    balance, rng = OnlineBalance(table), np.random.default_rng(3)
+    for _ in range(4):  # only head samples are scored
+        idx = rng.integers(5, 95, 16)
+        balance.observe(idx, rng.random(16) + 0.5, rng.random(16))
+        balance.refresh()
+    for entry in ("red:cross", "cross", "cross + ring", "blue:ring"):
+        assert weight(balance, entry) == FACTOR_ONE
+        assert balance.scores()[table.entries.index(entry)] == 1.0
+
+
+def test_non_finite_distances_are_left_out(table):
+    balance = OnlineBalance(table)
+    balance.observe([0, 1, 2], [np.nan, 1.0, np.inf], [0.5, 0.5, 0.5])
+    assert balance.window["bin_rows"].sum() == 1
+    with pytest.raises(ValueError, match="one each per row"):
+        balance.observe([0, 1], [1.0], [0.5])
+    with pytest.raises(IndexError):
+        balance.observe([100], [1.0], [0.5])
+
+
+def test_windows_summed_over_ranks_give_exactly_the_single_process_weights(table):
+    rng = np.random.default_rng(4)
+    rows = [(rng.integers(0, 95, 16), None, rng.random(16)) for _ in range(60)]
+    rows = [(i, (1 + t) * np.where(i < 5, 2.0, 1.0) * rng.uniform(0.7, 1.3, 16), t) for i, _, t in rows]
+    single, ranks = OnlineBalance(table), [OnlineBalance(table), OnlineBalance(table)]
+    for window in range(6):
+        batch = rows[10 * window:10 * window + 10]
+        for k, (i, d, t) in enumerate(batch):
+            single.observe(i, d, t)
+            ranks[k % 2].observe(i, d, t)  # each rank sees its half, in its own order
+
+        def reduce(_, ranks=ranks):
+            return [a + b for a, b in zip(ranks[0].window_arrays(), ranks[1].window_arrays())]
+
+        single.refresh()
+        totals = reduce(None)
+        for r in ranks:
+            r.refresh(lambda _: totals)
+        assert np.array_equal(single.weights, ranks[0].weights) and np.array_equal(single.weights, ranks[1].weights)
+    assert (single.weights > FACTOR_ONE).any()
+
+
+def test_the_state_round_trips_and_continues_identically(table):
+    rng = np.random.default_rng(5)
+    a = OnlineBalance(table)
+    for _ in range(3):
+        feed(a, rng)
+        a.refresh()
+    feed(a, rng, batches=5)  # a window in progress
+    b = OnlineBalance(table)
+    b.load_state_dict(a.state_dict())
+    feed(a, np.random.default_rng(9))
+    feed(b, np.random.default_rng(9))
+    a.refresh()
+    b.refresh()
+    assert np.array_equal(a.weights, b.weights) and a.refreshes == b.refreshes == 4
+    other = build_concept_table([RARE] * 3, default_extractor())
+    small = OnlineBalance(build_concept_table(["a green star"], default_extractor()))
+    with pytest.raises(ValueError, match="entries"):
+        small.load_state_dict(a.state_dict())
+    assert len(other.entries) != len(table.entries)
+
+
+def test_reweighted_units_keep_each_groups_total_and_follow_the_factors():
+    units = expected_draws_to_units(np.r_[np.full(6, 1.0), np.full(4, 2.0)], 14)
+    factors = np.array([1, 1, 1, 1, 1, 3, 2, 2, 2, 2]) * FACTOR_ONE
+    out = reweighted_units(units, factors, [0, 6, 10])
+    assert out[:6].sum() == units[:6].sum() and out[6:].sum() == units[6:].sum()
+    assert out.sum() == 14 * UNIT
+    # within the first group sample 5 gets 3 parts of 8
+    assert abs(out[5] - units[:6].sum() * 3 / 8) <= 1 and abs(out[0] - units[:6].sum() / 8) <= 1
+    assert np.array_equal(out[6:], units[6:]) or np.abs(out[6:] - units[6:]).max() <= 1
+    with pytest.raises(ValueError, match="factor"):
+        reweighted_units(units, np.zeros(10, np.int64), [0, 10])
+
+
+def test_a_segmented_stream_changes_its_draws_from_the_segment_start_only():
+    base = expected_draws_to_units(np.ones(10), 10)
+    order = SegmentedOrder(base, 10, seed=3)
+    plain = WeightedOrder(base, 10, seed=3)
+    before = order.samples(np.arange(0, 25))
+    assert np.array_equal(before, plain.samples(np.arange(0, 25)))
+    only_seven = np.zeros(10, np.int64)
+    only_seven[7] = 10 * UNIT
+    order.add(25, only_seven)
+    assert np.array_equal(order.samples(np.arange(20, 25)), plain.samples(np.arange(20, 25)))
+    assert set(order.samples(np.arange(25, 60)).tolist()) == {7}
+    order.add(40, base)  # a segment back to the natural weights: positions from 40 on draw all samples again
+    assert set(order.samples(np.arange(40, 80)).tolist()) == set(range(10))
+    order.known_until = 80
+    with pytest.raises(RuntimeError, match="past 80"):
+        order.samples([79, 80])
+
+
+def test_a_segment_added_before_a_later_one_replaces_it():
+    base = expected_draws_to_units(np.ones(4), 4)
+    order = SegmentedOrder(base, 4)
+    order.add(50, base)
+    order.add(30, base)
+    assert [s for s, _ in order.segments] == [0, 30]
+
+
+def test_the_loader_lag_covers_what_the_loader_reads_ahead():
+    assert loader_lag(0, 0, 1) == 2  # in-process: the next batch only
+    assert loader_lag(4, 0, 1) == 10  # 2 batches per worker
+    assert loader_lag(0, 3, 2) == 5
+    assert loader_lag(2, 0, 8) == 2
+
+
+class FakeAccelerator:
+    num_processes, device = 1, torch.device("cpu")
+
+
+def balancer_for(table, fraction=0.25, every=2):
+    base = expected_draws_to_units(np.ones(len(table)), len(table))
+    return OnlineBalancer(OnlineBalance(table, max_factor=8.0), base, np.array([0, len(table)]), len(table), 0,
+                          every=every, fraction=fraction, lag=2, patch_size=2, num_train_timesteps=1000)
+
+
+def noised_batch(rows, gen):
+    return SimpleNamespace(noisy=torch.randn(rows, 4, 8, 8, generator=gen), target=torch.randn(rows, 4, 8, 8, generator=gen),
+                           timesteps=torch.randint(0, 1000, (rows,), generator=gen))
+
+
+def test_the_plain_loss_scores_a_fraction_of_the_rows_with_one_unconditional_pass(table):
+    balancer, gen = balancer_for(table, fraction=0.25), torch.Generator().manual_seed(0)
+    calls = []
+
+    def predict(noisy, timesteps, embeds, mask):
+        calls.append((noisy.shape[0], torch.is_grad_enabled(), embeds.sum().item()))
+        return torch.zeros_like(noisy)
+
+    null = (torch.zeros(8, 3, 5), torch.ones(8, 3))
+    balancer.observe(list(range(8)), {}, predict, noised_batch(8, gen), null)
+    assert calls == [(2, False, 0.0)]  # ceil(0.25 * 8) rows, no gradient, the null caption
+    assert balancer.balance.window["bin_rows"].sum() == 2
+    # the IMBA loss's own distances: every row, no extra pass; the NaN rows (dropped captions) left out
+    per_token = torch.ones(8, 16)
+    per_token[3] = float("nan")
+    balancer.observe(list(range(8)), {"distance_per_token": per_token}, predict, noised_batch(8, gen), null)
+    assert len(calls) == 1 and balancer.balance.window["bin_rows"].sum() == 2 + 7
+
+
+def test_the_balancer_decides_the_stream_ahead_and_resumes_it_from_its_state(table):
+    gen = torch.Generator().manual_seed(1)
+    null = (torch.zeros(4, 3, 5), torch.ones(4, 3))
+
+    def predict(noisy, timesteps, embeds, mask):
+        return torch.zeros_like(noisy)
+
+    def run(balancer, steps, rng):
+        for step in steps:
+            idx = rng.integers(0, 95, 4)
+            noised = noised_batch(4, gen)
+            noised.target[torch.from_numpy(idx < 5)] *= 3  # rare samples far from the unconditional prediction
+            balancer.observe(idx.tolist(), {}, predict, noised, null)
+            balancer.step_done(step, FakeAccelerator())
+
+    a = balancer_for(table, fraction=1.0)
+    a.begin(0, 0, 4)
+    assert a.order.known_until == 4 * (2 + 2)  # up to the first refresh + lag
+    run(a, range(1, 21), np.random.default_rng(0))
+    assert a.order.known_until == 4 * (20 + 2 + 2)
+    assert (a.balance.weights > FACTOR_ONE).any()
+    assert [s for s, _ in a.segments] == [4 * 20, 4 * 22]  # the one in force at step 20 and the one ahead
+    b = balancer_for(table, fraction=1.0)
+    b.load_state_dict(a.state_dict())
+    b.begin(20, 80, 4)
+    positions = np.arange(80, 88)
+    assert np.array_equal(a.order.samples(positions), b.order.samples(positions))
+    assert not np.array_equal(a.order.samples(positions), balancer_for(table).order.samples(positions))
