@@ -230,12 +230,13 @@ def test_loader_batches(synth):
     assert loader.batches_per_epoch == 9
     batches = list(itertools.islice(loader, 18))  # two epochs
     for b in batches:
-        assert set(b) == {"pixels", "captions", "keys"}
+        assert set(b) == {"pixels", "captions", "keys", "indices"}
         assert b["pixels"].shape == (4, 3, RES, RES) and b["pixels"].dtype == torch.float32
         assert -1.0 <= b["pixels"].min() and b["pixels"].max() <= 1.0
         assert len(b["captions"]) == len(b["keys"]) == 4 and all(b["captions"])
     ds = loader.dataset
     assert [b["keys"] for b in batches] == [[ds[i]["key"] for i in loader.sampler.batch_indices(t)] for t in range(18)]
+    assert [b["indices"] for b in batches] == [list(loader.sampler.batch_indices(t)) for t in range(18)]
     epoch0 = [k for b in batches[:9] for k in b["keys"]]
     epoch1 = [k for b in batches[9:] for k in b["keys"]]
     assert len(set(epoch0)) == len(set(epoch1)) == 36  # each epoch: 36 distinct samples, 1 dropped
@@ -292,6 +293,8 @@ def test_bad_samples_are_replaced_deterministically_and_counted(bad_shard):
     assert ds.stats.bad == {"bad image": 1, "missing image": 1, "missing or empty caption": 1}
     # each bad sample is counted once per process: a second pass gives the same keys and adds no counts
     assert [ds[i]["key"] for i in range(8)] == got and ds.stats.bad == {"bad image": 1, "missing image": 1, "missing or empty caption": 1}
+    # a substitute names the sample it is (online balancing scores that one): k1 read as k2 says index 2
+    assert [ds[i]["index"] for i in range(8)] == [0, 2, 2, 4, 4, 5, 6, 0]
 
     substitute = dict(zip(range(8), [0, 2, 2, 4, 4, 5, 6, 0]))
     runs = []

@@ -324,7 +324,8 @@ def test_loader_resumes_exactly_with_equal_batches_per_rank(reference):
     ds = PrecomputedShards(out)
     position = {ds[i]["key"]: i for i in range(len(ds))}
     for batch in full[0]:
-        assert set(batch) == {"latent_moments", "text_states", "text_lengths", "captions", "keys"}
+        assert set(batch) == {"latent_moments", "text_states", "text_lengths", "captions", "keys", "indices"}
+        assert batch["indices"] == [position[k] for k in batch["keys"]]
         assert batch["latent_moments"].dtype == batch["text_states"].dtype == torch.float16  # as stored
         assert batch["text_states"].shape == (int(batch["text_lengths"].sum()), 64)
         inputs = unpack_batch(batch, loaders[0].manifest)
