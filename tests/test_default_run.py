@@ -1,45 +1,16 @@
 """`python train.py` exactly as a newcomer runs it: its samples show the colours and shapes the prompts ask for."""
 
-import random
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from scipy import ndimage
 
 from conftest import REPO
-from data.synthetic import render_objects
 
-
-def object_mask(image) -> np.ndarray:
-    """The pixels that stand out from the light background (the objects)."""
-    pixels = np.asarray(image.convert("RGB"), dtype=np.float64)
-    background = np.median(pixels.reshape(-1, 3), axis=0)
-    mask = np.linalg.norm(pixels - background, axis=2) > 60
-    assert mask.mean() > 0.01, "no object in the sample"
-    return mask
-
-
-def object_colour(image) -> np.ndarray:
-    """Mean RGB of the object pixels, in [0, 255]."""
-    return np.asarray(image.convert("RGB"), dtype=np.float64)[object_mask(image)].mean(axis=0)
-
-
-def fill_ratio(image) -> float:
-    """Area of the largest object / the area of its bounding box: 1 for a square, π/4 for a circle, 1/2 for a
-    triangle; a shapeless blob lands in between."""
-    labels, count = ndimage.label(object_mask(image))
-    largest = 1 + int(np.argmax(ndimage.sum(labels > 0, labels, range(1, count + 1))))
-    ys, xs = np.nonzero(labels == largest)
-    return len(ys) / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
-
-
-def reference_fill(shape: str) -> float:
-    """The fill ratio of the training renders of `shape` (median of 20)."""
-    return float(np.median([fill_ratio(render_objects(random.Random(i), [(shape, "red")], 128)[0])
-                            for i in range(20)]))
+sys.path.insert(0, str(REPO / "bench"))
+from shape_reading import fill_ratio, object_colour, read_shape, reference_fill  # noqa: E402
 
 
 @pytest.mark.slow
@@ -70,10 +41,27 @@ def test_the_default_run_draws_the_prompted_colours_and_shapes(tmp_path):
     assert np.mean(redness["red"]) - np.mean(redness["blue"]) > 150, redness
     # shapes: each sample is read as the shape whose renders' fill ratio is nearest to its own
     references = {shape: reference_fill(shape) for shape in shapes}
-    read = {key: [min(shapes, key=lambda s: abs(references[s] - f)) for f in values] for key, values in fills.items()}
+    read = {key: [read_shape(f, references) for f in values] for key, values in fills.items()}
     right = np.mean([r == key[1] for key, reads in read.items() for r in reads])
     # measured: 20 of the 24 samples read as the prompted shape (chance: 1 in 3); median fill ratios 0.91
     # (squares), 0.75 (circles), 0.51 (triangles) against 1.00, 0.78, 0.51 for the renders
     assert right >= 0.6, (references, fills)
     median = {shape: np.median([f for (c, s), v in fills.items() if s == shape for f in v]) for shape in shapes}
     assert median["square"] > median["circle"] > median["triangle"], median
+
+
+def test_the_shape_reading_tells_the_six_prompted_shapes_apart_on_fresh_renders():
+    import random
+
+    from data.synthetic import render_objects
+    from shape_reading import reference_features, shape_features
+
+    shapes = ("circle", "square", "triangle", "star", "cross", "ring")
+    references = {s: reference_features(s) for s in shapes}
+    # other seeds and another colour than the references' renders; by fill ratio alone a ring reads as a triangle
+    for shape in shapes:
+        for i in range(5):
+            image = render_objects(random.Random(500 + i), [(shape, "blue")], 128)[0]
+            assert read_shape(shape_features(image), references) == shape
+    fills = {s: reference_fill(s) for s in shapes}
+    assert abs(fills["ring"] - fills["triangle"]) < 0.02  # why the fill ratio alone is not enough here
