@@ -8,7 +8,8 @@ temperature, α = 1); does each draw the rare shapes (star, cross, ring) the nat
 For every run, the exported pipeline samples "a red <shape>" and "a blue <shape>" for the six shapes of the default
 run's grid prompts (circle, square, triangle: head; star, cross, ring: tail), 8 seeds each (guidance 4.5, 20
 DPM-Solver steps, 128 px, as the default-run test samples), and each sample's largest object is read as the nearest
-of the six shapes' training renders by fill ratio, solidity and hole share (`shape_reading.py`; the default-run test
+of the six shapes' training renders by fill ratio, solidity and hole share, or as a blob when it is farther from
+every render than half the smallest distance between two shapes' renders (`shape_reading.py`; the default-run test
 reads the head shapes by fill ratio alone, which cannot tell a ring from a triangle). Writes results.json (per run
 and shape: read right, what it was read as, median features), results.md and grids.png (the runs' last sample grids
 side by side, with the run's name above each). The runs go to OUT/runs/NAME (not committed); a finished run is
@@ -64,7 +65,7 @@ def read_run(export: Path, references: dict) -> dict:
     from diffusers import PixArtAlphaPipeline
 
     from models.pipeline import sample_images
-    from shape_reading import read_shape, shape_features
+    from shape_reading import half_smallest_gap, read_shape, shape_features
 
     pipe = PixArtAlphaPipeline.from_pretrained(export)
     pipe.set_progress_bar_config(disable=True)
@@ -73,6 +74,7 @@ def read_run(export: Path, references: dict) -> dict:
     with torch.random.fork_rng(devices=[]):
         images = sample_images(pipe, prompts, 128, 4.5, 20, SEEDS * (len(shapes) * len(COLOURS)), 64)
     per = len(COLOURS) * len(SEEDS)
+    tolerance = half_smallest_gap(references)
     out = {}
     for k, shape in enumerate(shapes):
         feats = []
@@ -81,7 +83,7 @@ def read_run(export: Path, references: dict) -> dict:
                 feats.append(shape_features(image))
             except AssertionError:  # nothing drawn on the background: read as no shape
                 feats.append(None)
-        reads = [read_shape(f, references) if f is not None else "nothing" for f in feats]
+        reads = [read_shape(f, references, tolerance) if f is not None else "nothing" for f in feats]
         drawn = [f for f in feats if f is not None]
         out[shape] = {"right": sum(r == shape for r in reads) / per, "read_as": dict(Counter(reads)),
                       "median_features": np.median(drawn, axis=0).round(3).tolist() if drawn else None}

@@ -67,6 +67,17 @@ def reference_features(shape: str, resolution: int = 128) -> np.ndarray:
     return np.median([shape_features(im) for im in _renders(shape, resolution)], axis=0)
 
 
-def read_shape(value, references: dict) -> str:
-    """The shape whose renders' reading (a fill ratio, or `shape_features`) is nearest to `value`."""
-    return min(references, key=lambda s: float(np.linalg.norm(np.subtract(references[s], value))))
+def read_shape(value, references: dict, tolerance: float | None = None) -> str:
+    """The shape whose renders' reading (a fill ratio, or `shape_features`) is nearest to `value`; "blob" when
+    `tolerance` is given and no reference is that near."""
+    distance = {s: float(np.linalg.norm(np.subtract(ref, value))) for s, ref in references.items()}
+    nearest = min(distance, key=distance.get)
+    return "blob" if tolerance is not None and distance[nearest] > tolerance else nearest
+
+
+def half_smallest_gap(references: dict) -> float:
+    """Half the smallest distance between two references: a reading farther than that from every reference is
+    nearer to no shape than the shapes are to each other (an irregular blob reads as none of them)."""
+    names = list(references)
+    return 0.5 * min(float(np.linalg.norm(np.subtract(references[a], references[b])))
+                     for i, a in enumerate(names) for b in names[i + 1:])

@@ -54,14 +54,18 @@ def test_the_shape_reading_tells_the_six_prompted_shapes_apart_on_fresh_renders(
     import random
 
     from data.synthetic import render_objects
-    from shape_reading import reference_features, shape_features
+    from shape_reading import half_smallest_gap, reference_features, shape_features
 
     shapes = ("circle", "square", "triangle", "star", "cross", "ring")
     references = {s: reference_features(s) for s in shapes}
+    tolerance = half_smallest_gap(references)
     # other seeds and another colour than the references' renders; by fill ratio alone a ring reads as a triangle
     for shape in shapes:
         for i in range(5):
             image = render_objects(random.Random(500 + i), [(shape, "blue")], 128)[0]
-            assert read_shape(shape_features(image), references) == shape
+            assert read_shape(shape_features(image), references, tolerance) == shape
+    # a ragged, non-convex, hole-free object (fill 0.45, solidity 0.8) is near no shape's renders
+    assert read_shape([0.45, 0.8, 0.0], references, tolerance) == "blob"
+    assert read_shape([0.45, 0.8, 0.0], references) != "blob"
     fills = {s: reference_fill(s) for s in shapes}
     assert abs(fills["ring"] - fills["triangle"]) < 0.02  # why the fill ratio alone is not enough here
