@@ -36,10 +36,10 @@ first eighth of every batch (counted compute 1 + 1/24 plain steps at batch 32). 
 and are compared with the controls; they are no controls themselves and run to the equal-step lengths only. The
 command above adds them to the default study: the four default variants' runs are reused (its largest nominal cost
 is still 1.3, so the controls' lengths stay 1000, 1500, 1950; leaving imba_target_tnorm_efficient out would make it
-1.042 and rerun the controls to 1562 steps). It trains 30 runs of 1500 steps, about 50 min with 2 workers on 2 cores
-(estimated from step times measured beside other work: plain 0.11 s/step per worker, the caption streams 1.03×,
-imba_balanced 1.19×: its no-grad pass over 4 rows costs more than 4/96 of a step on a CPU); each run is saved as it
-ends, so the variants can be run in separate commands.
+1.042 and rerun the controls to 1562 steps). caption_balanced and imba_balanced (20 runs of 1500 steps) took
+54.8 min beside other work (bench/README.md); the no-grad pass over 4 rows costs more than 4/96 of a step on a CPU
+(imba_balanced 1.19× plain's step time). Each run is saved as it ends, so the variants can be run in separate
+commands.
 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
 tile and scene pool, initial weights, optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1,
