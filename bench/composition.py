@@ -6,8 +6,9 @@
         --out bench/composition_reweight       # the re-weighting baselines
     python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
     python bench/composition.py --variants plain plain_balanced plain_concept_balanced imba_target_tnorm_efficient \
-        caption_balanced caption_balanced_a1 imba_balanced --out bench/composition_results_v2
-                                                # streams balanced from the captions: reuses the default's runs
+        caption_balanced caption_balanced_a1 imba_balanced --out bench/composition_balance
+                                                # streams balanced without labels (the default's runs reused from
+                                                # the recorded results.json of --out, or copied into its runs/)
 
 Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour> <shape> and a <colour> <shape>",
 8 colours × 5 shapes. "concept_tail": colours and shapes each Zipf(2), so rare pairs are pairs of rare words;
