@@ -36,10 +36,13 @@ def largest_object(image) -> np.ndarray:
     return labels == 1 + int(np.argmax(ndimage.sum(labels > 0, labels, range(1, count + 1))))
 
 
+def _fill(ys: np.ndarray, xs: np.ndarray) -> float:
+    return len(ys) / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
+
+
 def fill_ratio(image) -> float:
     """Area of the largest object / the area of its bounding box; a shapeless blob lands between the shapes'."""
-    ys, xs = np.nonzero(largest_object(image))
-    return len(ys) / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
+    return _fill(*np.nonzero(largest_object(image)))
 
 
 def shape_features(image) -> np.ndarray:
@@ -49,8 +52,7 @@ def shape_features(image) -> np.ndarray:
     filled = ndimage.binary_fill_holes(obj)
     area = float(filled.sum())
     hull = ConvexHull(np.c_[ys, xs].astype(np.float64)).volume if len(ys) >= 3 else area
-    fill = len(ys) / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
-    return np.array([fill, area / max(hull, 1.0), (area - obj.sum()) / area])
+    return np.array([_fill(ys, xs), area / max(hull, 1.0), (area - obj.sum()) / area])
 
 
 def _renders(shape: str, resolution: int) -> list:

@@ -78,8 +78,9 @@ def index_captions(index: ShardIndex, caption_field: str = "caption") -> Iterato
         yield from [""] * max(0, expected - got)
 
 
-def _extractor(balance: BalanceSettings, extractor: Callable | None) -> Callable | None:
-    if extractor is None and balance.method != "none":
+def _extractor(needed: bool, extractor: Callable | None) -> Callable | None:
+    """`extractor`, or the default vocabulary's when none is given and one is `needed`."""
+    if extractor is None and needed:
         from .concepts import default_extractor
 
         return default_extractor()
@@ -89,7 +90,7 @@ def _extractor(balance: BalanceSettings, extractor: Callable | None) -> Callable
 def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceSettings,
                      extractor: Callable | None = None) -> str:
     """What the stored plan must have been made for to be reused: shards, sources, epoch, balance, vocabulary."""
-    extractor = _extractor(balance, extractor)
+    extractor = _extractor(balance.method != "none", extractor)
     describe = getattr(extractor, "describe", lambda: {"name": type(extractor).__name__})
     parts = {
         "version": PLAN_VERSION,
@@ -123,7 +124,7 @@ def plan_draws(
     if mix.num_samples != len(index):
         raise ValueError(f"the sources hold {mix.num_samples} samples, the index {len(index)}")
     balance.check()
-    extractor = _extractor(balance, extractor)
+    extractor = _extractor(balance.method != "none", extractor)
     fingerprint = plan_fingerprint(index, mix, balance, extractor)
     plan = load_plan(folder, fingerprint)
     if plan is not None:
@@ -223,7 +224,7 @@ def entry_table(index: ShardIndex, folder: str | os.PathLike, fingerprint: str, 
     table = load_entry_table(folder, fingerprint)
     if table is not None:
         return table
-    extractor = _extractor(BalanceSettings("temperature"), extractor)  # the default vocabulary unless given
+    extractor = _extractor(True, extractor)
     table = build_concept_table(index_captions(index, caption_field), extractor, workers=workers, progress=progress)
     Path(folder).mkdir(parents=True, exist_ok=True)
     atomic_write(Path(folder) / TABLE_NAME, lambda f: np.savez(

@@ -131,9 +131,11 @@ class OnlineBalance:
         prior = PRIOR_ROWS * FACTOR_ONE
         return (self.running["entry_sum"] + prior * mean) / ((self.running["entry_rows"] + prior) * mean)
 
-    def sample_factors(self) -> np.ndarray:
-        """Each sample's factor, int64 in FACTOR_ONE units: the largest weight among its entries."""
-        factors = reduce_over_entries(self.weights.astype(np.float64), self.table, np.maximum, empty=FACTOR_ONE)
+    def sample_factors(self, weights: np.ndarray | None = None) -> np.ndarray:
+        """Each sample's factor, int64 in FACTOR_ONE units: the largest weight among its entries (of `weights`, by
+        default the current ones)."""
+        weights = self.weights if weights is None else weights
+        factors = reduce_over_entries(weights.astype(np.float64), self.table, np.maximum, empty=FACTOR_ONE)
         return factors.astype(np.int64)  # weights are integers below 2**53: exact through float64
 
     def describe(self, top: int = 5) -> str:

@@ -235,11 +235,14 @@ def test_the_plain_loss_scores_a_fraction_of_the_rows_with_one_unconditional_pas
     null = (torch.zeros(8, 3, 5), torch.ones(8, 3))
     balancer.observe(list(range(8)), {}, predict, noised_batch(8, gen), null)
     assert calls == [(2, False, 0.0)]  # ceil(0.25 * 8) rows, no gradient, the null caption
+    assert balancer.balance.window["bin_rows"].sum() == 0  # still on the device: no host sync per step
+    balancer.flush()
     assert balancer.balance.window["bin_rows"].sum() == 2
     # the IMBA loss's own distances: every row, no extra pass; the NaN rows (dropped captions) left out
     per_token = torch.ones(8, 16)
     per_token[3] = float("nan")
     balancer.observe(list(range(8)), {"distance_per_token": per_token}, predict, noised_batch(8, gen), null)
+    balancer.flush()
     assert len(calls) == 1 and balancer.balance.window["bin_rows"].sum() == 2 + 7
 
 

@@ -49,6 +49,9 @@ class OnlineBalancer:
         self.every, self.fraction, self.lag, self.rank = every, fraction, lag, rank
         self.patch_size, self.num_train_timesteps = patch_size, num_train_timesteps
         self.segments: list[tuple[int, np.ndarray]] = []  # (start position, entry weights), oldest still needed first
+        # scored rows not yet in the statistics: (indices, distances, levels), the tensors still on the device, so a
+        # step does not wait for its scoring pass to reach the host
+        self.pending: list[tuple[list, torch.Tensor, torch.Tensor]] = []
         self.first_step, self.first_position, self.samples_per_step = 0, 0, 0
 
     def begin(self, step: int, samples_done: int, samples_per_step: int) -> None:
@@ -73,13 +76,24 @@ class OnlineBalancer:
             uncond = predict(noised.noisy[:rows], noised.timesteps[:rows], null[0][:rows], null[1][:rows])
             distance = token_distance(noised.target[:rows], uncond, self.patch_size).mean(dim=1)
         level = noised.timesteps[:rows].float() / self.num_train_timesteps
-        self.balance.observe(np.asarray(indices[:rows]), distance.cpu().numpy(), level.cpu().numpy())
+        self.pending.append((list(indices[:rows]), distance.float(), level))
+
+    def flush(self) -> None:
+        """Move the rows scored since the last call into the statistics (one transfer to the host)."""
+        if not self.pending:
+            return
+        indices = [i for rows, _, _ in self.pending for i in rows]
+        distance = torch.cat([d for _, d, _ in self.pending]).cpu().numpy()
+        level = torch.cat([t for _, _, t in self.pending]).cpu().numpy()
+        self.pending = []
+        self.balance.observe(np.asarray(indices), distance, level)
 
     def step_done(self, step: int, accelerator) -> str | None:
         """After optimizer step `step`: every `every` steps, refresh the weights (summed over the ranks) and start
         their segment `lag` steps on; a line for the log when it did."""
         if step % self.every:
             return None
+        self.flush()
         self.balance.refresh(lambda arrays: _sum_over_ranks(accelerator, arrays))
         self._add_segment(self.position(step + self.lag), self.balance.weights.copy())
         self.order.known_until = self.position(step + self.every + self.lag)
@@ -91,20 +105,17 @@ class OnlineBalancer:
     def sync(self, accelerator) -> None:
         """Sum the ranks' windows into the main process's before a checkpoint (the others keep none), so the saved
         state holds every rank's observations."""
+        self.flush()
         total = _sum_over_ranks(accelerator, self.balance.window_arrays())
         self.balance.absorb(total if self.rank == 0 else [np.zeros_like(a) for a in total])
 
     def _add_segment(self, start: int, weights: np.ndarray) -> None:
-        saved = self.balance.weights
-        self.balance.weights = weights
-        try:
-            units = reweighted_units(self.base_units, self.balance.sample_factors(), self.starts)
-        finally:
-            self.balance.weights = saved
+        units = reweighted_units(self.base_units, self.balance.sample_factors(weights), self.starts)
         self.order.add(start, units)
         self.segments = [s for s in self.segments if s[0] < start] + [(start, weights)]
 
     def state_dict(self) -> dict:
+        self.flush()
         return {"balance": self.balance.state_dict(), "segments": [(int(s), w.copy()) for s, w in self.segments]}
 
     def load_state_dict(self, state: dict) -> None:
