@@ -18,7 +18,8 @@ Rule. An entry's score is its mean n relative to the average row's, shrunk towar
 rows at the average: s_e = (S_e + PRIOR_ROWS · n̄) / ((C_e + PRIOR_ROWS) · n̄). Reading it relative to n̄ matters
 while the loss falls: the level means come from earlier windows, so every row's n is then below 1, and only how far
 an entry is from the average row tells it apart. At each refresh an entry observed in the window moves its
-weight by the square root of its score, w_e ← clip(w_e · √s_e, 1, max_factor): an entry whose rows the model
+weight by a power of its score, w_e ← clip(w_e · s_e^rate, 1, max_factor) (rate 1/2 by default, the square
+root): an entry whose rows the model
 predicts worse than average without their caption (s > 1) is drawn more at every refresh until its distance comes
 down to the average or its weight reaches `max_factor`; one whose distance has fallen below the average (s < 1)
 gives its extra draws back, down to its natural rate (w = 1). Weights start at 1 (the natural stream), and an
@@ -48,12 +49,14 @@ _ARRAYS = ("bin_sum", "bin_rows", "entry_sum", "entry_rows", "row_sum", "row_cou
 class OnlineBalance:
     """The running IMBA distance per entry of `table` and the entry weights it sets (see the module doc)."""
 
-    def __init__(self, table: ConceptTable, max_factor: float = 16.0, bins: int = 10):
+    def __init__(self, table: ConceptTable, max_factor: float = 16.0, bins: int = 10, rate: float = 0.5):
         if not (np.isfinite(max_factor) and max_factor >= 1):
             raise ValueError(f"max_factor must be >= 1 (1 = natural), got {max_factor}")
+        if not (np.isfinite(rate) and rate > 0):
+            raise ValueError(f"rate must be > 0, got {rate}")
         if bins < 1:
             raise ValueError(f"bins must be >= 1, got {bins}")
-        self.table, self.max_factor, self.bins = table, float(max_factor), int(bins)
+        self.table, self.max_factor, self.bins, self.rate = table, float(max_factor), int(bins), float(rate)
         entries = len(table.entries)
         sizes = {"bin_sum": bins, "bin_rows": bins, "entry_sum": entries, "entry_rows": entries, "row_sum": 1,
                  "row_count": 1}
@@ -119,7 +122,7 @@ class OnlineBalance:
             self.window[k] = np.zeros_like(self.window[k])
         seen = window["entry_rows"] > 0
         score = self.scores()[seen]
-        moved = np.rint(self.weights[seen] * np.sqrt(score))
+        moved = np.rint(self.weights[seen] * score ** self.rate)
         self.weights[seen] = np.clip(moved, FACTOR_ONE, round(self.max_factor * FACTOR_ONE)).astype(np.int64)
         self.refreshes += 1
 

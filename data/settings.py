@@ -58,6 +58,7 @@ class DataConfig:
     # scores every row itself, at no extra cost)
     balance_fraction: float = 0.125
     balance_max: float = 16.0  # imba: the most a concept's draws may be multiplied by (1 = natural)
+    balance_rate: float = 0.5  # imba: each refresh multiplies a concept's weight by its score ** balance_rate
 
     CHOICES: ClassVar[dict] = {"mode": ("auto", "indexed", "streaming"), "precompute": ("auto", "true", "false"),
                                "balance": (*BALANCE_METHODS, "imba")}
@@ -76,6 +77,7 @@ class DataConfig:
         "balance_every": ">= 1",
         "balance_fraction": "in (0, 1]",
         "balance_max": ">= 1 (1 = natural)",
+        "balance_rate": "> 0",
     }
 
     def synthetic(self) -> bool:

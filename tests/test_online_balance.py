@@ -59,8 +59,9 @@ def test_rare_entries_predicted_worse_gain_weight_each_refresh_up_to_the_cap(tab
     assert (factors[5:95] == FACTOR_ONE).all() and (factors[95:] == FACTOR_ONE).all()
 
 
-def test_a_weight_moves_by_the_square_root_of_its_shrunk_score(table):
-    balance = OnlineBalance(table, max_factor=16.0, bins=1)
+@pytest.mark.parametrize("rate", [0.5, 1.0])
+def test_a_weight_moves_by_its_shrunk_score_to_the_power_rate(table, rate):
+    balance = OnlineBalance(table, max_factor=16.0, bins=1, rate=rate)
     balance.observe(np.arange(10), np.ones(10), np.zeros(10))
     balance.refresh()  # level mean 1
     balance.observe([0, 5, 6, 7], [3.0, 1.0, 1.0, 1.0], np.zeros(4))
@@ -68,8 +69,14 @@ def test_a_weight_moves_by_the_square_root_of_its_shrunk_score(table):
     # running (halved first window has no entry rows): rows n = 3, 1, 1, 1 -> n̄ = 1.5; "cross": one row at 3
     mean = 1.5
     score = (3 + PRIOR_ROWS * mean) / ((1 + PRIOR_ROWS) * mean)
-    assert weight(balance, "cross") == round(FACTOR_ONE * math.sqrt(score))
+    assert weight(balance, "cross") == round(FACTOR_ONE * score ** rate)
     assert balance.scores()[table.entries.index("cross")] == pytest.approx(score)
+
+
+@pytest.mark.parametrize("settings", [dict(max_factor=0.5), dict(rate=0.0), dict(rate=float("nan"))])
+def test_settings_out_of_range_are_refused(table, settings):
+    with pytest.raises(ValueError, match="must be"):
+        OnlineBalance(table, **settings)
 
 
 def test_a_boosted_entry_gives_its_draws_back_once_its_distance_falls_but_never_below_natural(table):

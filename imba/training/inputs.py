@@ -196,7 +196,8 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
     accelerator.print(f"data: balanced online by the IMBA distance of {len(table.entries):,} concepts and "
                       f"combinations: weights refreshed every {d.balance_every} steps (in effect {lag} steps later), "
                       f"at most {d.balance_max:g}x natural")
-    return OnlineBalancer(OnlineBalance(table, max_factor=d.balance_max), plan.units, starts, plan.samples_per_epoch,
+    balance = OnlineBalance(table, max_factor=d.balance_max, rate=d.balance_rate)
+    return OnlineBalancer(balance, plan.units, starts, plan.samples_per_epoch,
                           cfg.train.seed, every=d.balance_every, fraction=d.balance_fraction, lag=lag,
                           patch_size=patch_size, num_train_timesteps=num_train_timesteps,
                           rank=accelerator.process_index)
