@@ -4,6 +4,8 @@ temperature, α = 1); does each draw the rare shapes (star, cross, ring) the nat
 
     python bench/default_balance.py --out bench/default_balance          # 3 runs of train.py, then the reading
     python bench/default_balance.py --runs natural imba --out /tmp/db    # a subset
+    python bench/default_balance.py --runs natural imba --seeds 0 1 2 --out bench/default_balance_seeds
+                                                                         # three training seeds each
 
 For every run, the exported pipeline samples "a red <shape>" and "a blue <shape>" for the six shapes of the default
 run's grid prompts (circle, square, triangle: head; star, cross, ring: tail), 8 seeds each (guidance 4.5, 20
@@ -12,8 +14,8 @@ of the six shapes' training renders by fill ratio, solidity and hole share, or a
 every render than half the smallest distance between two shapes' renders (`shape_reading.py`; the default-run test
 reads the head shapes by fill ratio alone, which cannot tell a ring from a triangle). Writes results.json (per run
 and shape: read right, what it was read as, median features), results.md and grids.png (the runs' last sample grids
-side by side, with the run's name above each). The runs go to OUT/runs/NAME (not committed); a finished run is
-reused.
+side by side, with the run's name above each; the first training seed's). The runs go to OUT/runs/NAME, or
+OUT/runs/NAME-seedS for train.seed=S other than 0 (not committed); a finished run is reused.
 """
 
 from __future__ import annotations
@@ -42,13 +44,19 @@ COLOURS = ("red", "blue")
 SEEDS = list(range(11, 19))
 
 
-def train(name: str, out: Path) -> float:
-    """Train run `name` into `out` unless its export exists; its wall seconds (0 when reused)."""
+def run_folder(name: str, seed: int) -> str:
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
+def train(name: str, seed: int, out: Path) -> float:
+    """Train run `name` with train.seed=`seed` into `out` unless its export exists; its wall seconds (0 when
+    reused)."""
     if (out / "export" / "model_index.json").is_file():
         return 0.0
     start = time.perf_counter()
-    cmd = [sys.executable, str(REPO / "train.py"), f"train.output_dir={out}", "train.trackers=none", *RUNS[name]]
-    log = out.parent / f"{name}.log"
+    cmd = [sys.executable, str(REPO / "train.py"), f"train.output_dir={out}", "train.trackers=none",
+           f"train.seed={seed}", *RUNS[name]]
+    log = out.parent / f"{out.name}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         done = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
@@ -108,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds (train.seed), default 0")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "default_balance")
     args = parser.parse_args(argv)
     from shape_reading import reference_features
@@ -115,24 +124,36 @@ def main(argv: list[str] | None = None) -> int:
     references = {s: reference_features(s) for s in (*HEAD, *TAIL)}
     results, grids = {}, {}
     for name in args.runs:
-        run = args.out / "runs" / name
-        seconds = train(name, run)
-        steps = sorted((run / "samples").glob("step_*.png"))[-1]
-        grids[name] = steps
-        results[name] = {"train_seconds": seconds, "grid": steps.name, "shapes": read_run(run / "export", references)}
-        print(f"{name}: " + ", ".join(f"{s} {100 * r['right']:.0f} %" for s, r in results[name]["shapes"].items()),
-              flush=True)
+        for seed in args.seeds:
+            folder = run_folder(name, seed)
+            run = args.out / "runs" / folder
+            seconds = train(name, seed, run)
+            steps = sorted((run / "samples").glob("step_*.png"))[-1]
+            if seed == args.seeds[0]:
+                grids[name] = steps
+            shapes = read_run(run / "export", references)
+            results.setdefault(name, {})[seed] = {"train_seconds": seconds, "grid": steps.name, "shapes": shapes}
+            print(f"{folder}: " + ", ".join(f"{s} {100 * r['right']:.0f} %" for s, r in shapes.items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     side_by_side(grids, args.out / "grids.png")
     command = "python bench/default_balance.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out / "results.json").write_text(json.dumps({"command": command, "runs": RUNS, "seeds": SEEDS,
                                                        "colours": COLOURS, "results": results}, indent=1))
     shapes = (*HEAD, *TAIL)
-    lines = [f"Command: `{command}`", "", f"Samples read as the prompted shape, of {len(COLOURS) * len(SEEDS)} per "
-             "shape (red and blue, 8 seeds):", "",
-             "| run | " + " | ".join(shapes) + " |", "|---" * (len(shapes) + 1) + "|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | " + " | ".join(f"{100 * r['shapes'][s]['right']:.0f} %" for s in shapes) + " |")
+    per = len(COLOURS) * len(SEEDS)
+    lines = [f"Command: `{command}`", "", f"Samples read as the prompted shape, of {per} per shape and training seed "
+             f"(red and blue, {len(SEEDS)} sampling seeds); with several training seeds, their mean and range:", "",
+             "| run | train.seed | " + " | ".join(shapes) + " |", "|---" * (len(shapes) + 2) + "|"]
+    for name, by_seed in results.items():
+        for seed, r in by_seed.items():
+            lines.append(f"| {name} | {seed} | "
+                         + " | ".join(f"{100 * r['shapes'][s]['right']:.0f} %" for s in shapes) + " |")
+        if len(by_seed) > 1:
+            cells = []
+            for s in shapes:
+                rates = [100 * r["shapes"][s]["right"] for r in by_seed.values()]
+                cells.append(f"**{sum(rates) / len(rates):.0f} %** ({min(rates):.0f}–{max(rates):.0f})")
+            lines.append(f"| **{name}** | mean | " + " | ".join(cells) + " |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
