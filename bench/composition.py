@@ -124,6 +124,10 @@ VARIANTS = {
     # stated before its runs, after imba_balanced's weights were seen to move too slowly (its exposure at 1,500
     # steps): the same rule with each refresh's step s^1 instead of s^(1/2); imba_balanced stays its control
     "imba_balanced_fast": dict(kind="plain", stream="imba_online", rate=1.0),
+    # stated before its runs, after imba_balanced_fast's weights were seen to sit at the cap from 1,000 steps with
+    # its most boosted scene drawn only 3.3x its natural rate (the pair-balanced stream shows the rarest pairs'
+    # objects 16-20x as often as plain does): the fast rule with a cap of 64 instead of 16
+    "imba_balanced_wide": dict(kind="plain", stream="imba_online", rate=1.0, max_factor=64.0),
 }
 WEIGHTED_STREAMS = ("caption", "imba_online")
 BALANCE_EVERY = 50  # steps between refreshes of the online balance's weights
@@ -255,7 +259,8 @@ class WeightedScenes:
     (temperature with exponent `alpha`), and for "imba_online" the factors of `data.online_balance.OnlineBalance`,
     which move with the distances `observe` feeds it at every `refresh`."""
 
-    def __init__(self, stream: str, captions: list[str], alpha: float | None = None, rate: float = 0.5):
+    def __init__(self, stream: str, captions: list[str], alpha: float | None = None, rate: float = 0.5,
+                 max_factor: float = 16.0):
         from data.balance import BalanceSettings, balance_factors, build_concept_table
         from data.concepts import default_extractor
 
@@ -267,7 +272,7 @@ class WeightedScenes:
         elif stream == "imba_online":
             from data.online_balance import OnlineBalance
 
-            self.online = OnlineBalance(self.table, rate=rate)
+            self.online = OnlineBalance(self.table, max_factor=max_factor, rate=rate)
             self.factors = self._online_factors()
         else:
             raise ValueError(f"unknown weighted stream {stream!r}; choose one of {', '.join(WEIGHTED_STREAMS)}")
@@ -430,8 +435,8 @@ def run_one(job: dict) -> dict:
         raise ValueError(f"{variant} composes its scenes at batch time; run it with --scenes online")
     if scene_pool is None and stream in WEIGHTED_STREAMS:
         raise ValueError(f"{variant} weights a fixed pool of scenes by their captions; run it with --scenes fixed")
-    weighted = (WeightedScenes(stream, scene_pool.captions(), spec.get("alpha"), spec.get("rate", 0.5))
-                if stream in WEIGHTED_STREAMS else None)
+    weighted = (WeightedScenes(stream, scene_pool.captions(), spec.get("alpha"), spec.get("rate", 0.5),
+                               spec.get("max_factor", 16.0)) if stream in WEIGHTED_STREAMS else None)
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
     if spec.get("reweight"):
@@ -811,7 +816,10 @@ METRIC_TITLES = {"per_pair": "whole prompt", "per_pair_half": "probed half alone
 
 
 def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposure: dict, facts: dict,
-                 variants: list[str], lengths: list[int], seeds: int) -> str:
+                 variants: list[str], lengths: list[int], seeds: int, detail: int | None = None) -> str:
+    """The report of one world: success tables, the gap closed at each of `lengths`, and the exposure, cost and
+    failure tables at `detail` steps (default: the longest of `lengths`)."""
+    detail = detail or lengths[-1]
     columns = ("head", "torso", "tail", "held_out", "all_seen")
     lines = [f"\n## World `{world}`\n"]
     spread = "± 95 % CI" if seeds > 1 else "one seed: no CI, the ± 0.0 stands for none"
@@ -847,7 +855,7 @@ def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposu
                              f"{_pct(b['held_out']['gap'])} | {_pct(b['held_out']['gain'])} | "
                              f"{_frac(b['held_out'])} |")
     if exposure:
-        length = lengths[-1]
+        length = detail
         lines.append(f"\n**Success against exposure at {length} steps** (probed half alone, %; seen pairs binned "
                      "by the objects of that pair the run trained on; in brackets pairs × seeds)\n")
         bins = sorted({k for v in exposure.values() for k in v["bins"]}, key=lambda k: float(k.split("-")[0]))
@@ -880,7 +888,7 @@ def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposu
                     lines.append(f"| {variant} | " + " | ".join(
                         f"{cells[n]['objects']:.0f} / {100 * cells[n]['success']:.0f}" for n in names) + " |")
     if facts:
-        lines.append(f"\n**Cost, repetition and the judge at {lengths[-1]} steps** (means over seeds; compute in "
+        lines.append(f"\n**Cost, repetition and the judge at {detail} steps** (means over seeds; compute in "
                      "plain steps, counted; seconds measured beside other work; repeat = the most times one tile was "
                      "shown; oracle Δ = the largest difference of a bucket mean between the two oracles, points)\n")
         lines.append("| variant | compute/step | s/step | distinct tiles | distinct scenes | max repeat | "
@@ -895,7 +903,7 @@ def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposu
                              f"{f.get('max_tail_tile_repeat', 0):.0f} | {100 * f.get('oracle_disagreement', 0):.1f} |")
         weighted = [v for v in variants if "stream_max_factor" in facts.get(v, {})]
         if weighted:
-            lines.append(f"\n**Scene factors of the weighted streams at {lengths[-1]} steps** (means over seeds; "
+            lines.append(f"\n**Scene factors of the weighted streams at {detail} steps** (means over seeds; "
                          "largest factor: caption, relative to a scene of only the most frequent entry; online, to "
                          "the natural rate; largest rate = how many times the uniform rate the most boosted scene "
                          "is drawn; at cap = scenes at the online balance's largest factor)\n")
@@ -908,7 +916,7 @@ def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposu
                              + (f"{f['stream_at_cap']:.1f} | {f['stream_boosted_entries']:.1f} | "
                                 f"{f['stream_refreshes']:.0f} |" if online else "— | — | — |"))
     if failures:
-        lines.append(f"\n**Failure kinds at {lengths[-1]} steps** (% of the bucket's prompts, all seeds: missing "
+        lines.append(f"\n**Failure kinds at {detail} steps** (% of the bucket's prompts, all seeds: missing "
                      "object / colour on the wrong shape / other)\n")
         lines.append("| variant | " + " | ".join(BUCKETS) + " |")
         lines.append("|---" * (len(BUCKETS) + 1) + "|")
@@ -1263,15 +1271,21 @@ def main(argv: list[str] | None = None) -> int:
     report += judge_report(judges)
     per_world: dict = {}
     summaries_prompt: dict = {}
+    # the gap is read at every length a variant was evaluated at (with --reach-controls also at the controls' last
+    # point, and where a cheaper variant's compute reaches it); the detail tables at the last point every variant has
+    gap_lengths = sorted({*lengths, *(n for r in runs if not is_stream_control(r["variant"]) for n in r["results"])})
+    detail = (equal_compute_steps(lengths[-1], max(factors)) if args.reach_controls and equal_compute and factors
+              else lengths[-1])
     for world in worlds:
         mine = [r for r in runs if r["world"] == world]
         summaries = {m: summarise(mine, m) for m in METRICS}
-        gaps = {(t, m): gap_closed(mine, lengths, compute=c, metric=m)
+        gaps = {(t, m): gap_closed(mine, gap_lengths, compute=c, metric=m)
                 for t, c in (("equal steps", False), ("equal compute", True)) for m in ("per_pair", "per_pair_half")}
-        exposure = exposure_tables(mine, lengths[-1])
-        failures = failure_table(mine, lengths[-1])
-        facts = run_facts(mine, lengths[-1])
-        report += world_report(world, summaries, gaps, failures, exposure, facts, variants, lengths, len(seeds))
+        exposure = exposure_tables(mine, detail)
+        failures = failure_table(mine, detail)
+        facts = run_facts(mine, detail)
+        report += world_report(world, summaries, gaps, failures, exposure, facts, variants, gap_lengths, len(seeds),
+                               detail)
         levers = levers_summary(mine)
         levers["against_imba"] = levers_against_imba(mine, lengths)
         if levers["summary"] and any(is_lever(v) for v in variants):
@@ -1290,8 +1304,8 @@ def main(argv: list[str] | None = None) -> int:
             "levers": {"summary": {str(k): v for k, v in levers["summary"].items()},
                        "relations": {str(k): v for k, v in levers["relations"].items()},
                        "against_imba": {str(k): v for k, v in levers["against_imba"].items()}}}
-    bar_plot(summaries_prompt, variants, lengths[-1], args.out / "composition.png")
-    exposure_plot(runs, lengths[-1], variants, args.out / "exposure.png")
+    bar_plot(summaries_prompt, variants, detail, args.out / "composition.png")
+    exposure_plot(runs, detail, variants, args.out / "exposure.png")
     payload = {
         "command": "python bench/composition.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "seeds": seeds, "lengths": lengths, "worlds": worlds, "scenes": scenes, "fixed_ranks": args.fixed_ranks,

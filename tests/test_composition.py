@@ -171,6 +171,18 @@ def test_variants_of_another_cost_leave_the_default_controls_lengths_as_they_wer
     assert composition.relative_cost("imba_balanced", batch_size=4) == pytest.approx(1 + 1 / 12)  # at least a row
 
 
+def test_reaching_the_controls_adds_their_last_point_at_equal_steps_and_equal_compute():
+    factors = (1 + 4 / 96, 1.3)
+    reach = {v: composition.train_lengths(v, [1000, 1500], True, factors, reach=True)
+             for v in ("plain", "imba_target_tnorm_efficient", "caption_balanced", "imba_balanced_fast")}
+    assert reach["plain"] == [1000, 1500, 1950]  # the controls as without it
+    assert reach["imba_target_tnorm_efficient"] == [1000, 1500]  # the costliest reaches 1950's compute at 1500
+    assert reach["caption_balanced"] == [1000, 1500, 1950]
+    assert reach["imba_balanced_fast"] == [1000, 1500, 1872, 1950]  # 1872 steps × 1.0417 = 1950 plain steps
+    assert composition.train_lengths("imba_balanced", [1000, 1500], True, factors) == [1000, 1500]  # opt-in
+    assert composition.train_lengths("imba_balanced", [1000, 1500], False, factors, reach=True) == [1000, 1500]
+
+
 def _scene_pool(seed=0, tiles=600):
     world = PairWorld("concept_tail", seed)
     pool = TilePool(world, seed=seed, tiles=tiles)
@@ -219,6 +231,7 @@ def test_the_online_stream_draws_scenes_by_the_online_balance_factors():
 
     _, pool, scenes = _scene_pool(seed=1)
     stream = composition.WeightedScenes("imba_online", scenes.captions())
+    fast = composition.WeightedScenes("imba_online", scenes.captions(), rate=1.0)  # imba_balanced_fast's rule
     assert torch.equal(stream.factors, torch.full((len(scenes),), float(FACTOR_ONE), dtype=torch.float64))
     rng = torch.Generator().manual_seed(3)
     # scenes that show a cross are predicted worse without their caption than the rest, at every level
@@ -227,8 +240,11 @@ def test_the_online_stream_draws_scenes_by_the_online_balance_factors():
         rows = torch.randint(len(scenes), (200,), generator=rng)
         level = torch.rand(200, generator=rng)
         distance = (1 + level) * torch.where(cross[rows], 3.0, 1.0)
-        stream.observe(rows, distance, level)
-        stream.refresh()
+        for s in (stream, fast):
+            s.observe(rows, distance, level)
+            s.refresh()
+    # the same scores, a step of s instead of √s: the boosted scenes further from natural
+    assert float(fast.factors[cross].mean()) > float(stream.factors[cross].mean())
     factors = stream.online.sample_factors()
     assert torch.equal(stream.factors, torch.from_numpy(factors.astype("float64")))
     assert float(stream.factors[cross].min()) > float(stream.factors[~cross].mean())
