@@ -6,9 +6,10 @@
         --out bench/composition_reweight       # the re-weighting baselines
     python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
     python bench/composition.py --variants plain plain_balanced plain_concept_balanced imba_target_tnorm_efficient \
-        caption_balanced caption_balanced_a1 imba_balanced --out bench/composition_balance
-                                                # streams balanced without labels (the default's runs reused from
-                                                # the recorded results.json of --out, or copied into its runs/)
+        caption_balanced imba_balanced imba_balanced_fast imba_balanced_wide --reach-controls \
+        --out bench/composition_balance         # streams balanced without labels, on to the controls' 1,950 steps
+                                                # (the default's runs reused from the recorded results.json of
+                                                # --out, or copied into its runs/)
 
 Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour> <shape> and a <colour> <shape>",
 8 colours × 5 shapes. "concept_tail": colours and shapes each Zipf(2), so rare pairs are pairs of rare words;
@@ -33,13 +34,15 @@ a colour or a shape has the first object's binding only: 51 % of concept_tail's 
 seed 0). `caption_balanced` / `caption_balanced_a1`: the offline temperature factors (data.balance=temperature) with
 α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the factors of `data.online_balance.OnlineBalance`, refreshed
 every BALANCE_EVERY steps from the model's own IMBA distance, measured by a no-grad unconditional pass over the
-first eighth of every batch (counted compute 1 + 1/24 plain steps at batch 32). All three train with the plain loss
-and are compared with the controls; they are no controls themselves and run to the equal-step lengths only. The
-command above adds them to the default study: the four default variants' runs are reused (its largest nominal cost
-is still 1.3, so the controls' lengths stay 1000, 1500, 1950; leaving imba_target_tnorm_efficient out would make it
-1.042 and rerun the controls to 1562 steps). caption_balanced and imba_balanced (20 runs of 1500 steps) took
-54.8 min beside other work (bench/README.md); the no-grad pass over 4 rows costs more than 4/96 of a step on a CPU
-(imba_balanced 1.19× plain's step time). Each run is saved as it ends, so the variants can be run in separate
+first eighth of every batch (counted compute 1 + 1/24 plain steps at batch 32); `imba_balanced_fast` the same with
+each refresh's step s^1 instead of √s, `imba_balanced_wide` the fast rule with a cap of 64 instead of 16. All
+train with the plain loss and are compared with the controls; they are no controls themselves and run to the
+equal-step lengths, and with --reach-controls on to the controls' last point (1,950 steps, and for the online ones
+also 1,872, where their counted compute is the controls' 1,950). The command above adds them to the default study:
+the four default variants' runs are reused (its largest nominal cost is still 1.3, so the controls' lengths stay
+1000, 1500, 1950; leaving imba_target_tnorm_efficient out would make it 1.042 and rerun the controls to 1562 steps).
+caption_balanced, imba_balanced and imba_balanced_fast on to 1,950 steps (30 runs) took 58.5 min; the no-grad pass
+over 4 rows costs more than 4/96 of a step on a CPU (imba_balanced 1.19× plain's step time). Each run is saved as it ends, so the variants can be run in separate
 commands.
 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
@@ -967,7 +970,7 @@ def exposure_plot(runs: list[dict], length: int, variants: list[str], path: Path
                 (math.log10(max(1, n)), 100 * r["per_pair_half"][name]) for name, n in r["exposure"].items()
                 if run["buckets"][name] != "held_out")
         panels[world] = {"xlabel": "log10 objects of the pair trained on",
-                         "series": {v: points for v, points in series.items() if points}}
+                         "series": series}
     plot_series(panels, path, ylabel="probed half read right (%)", scatter=True,
                 title=f"Success of each seen pair against its exposure ({length} steps, one point per pair and run)")
 

@@ -1,8 +1,9 @@
 """The default run, natural vs balanced: `python train.py` at its default 2,500 steps on the natural stream, with
 online balancing by the IMBA distance (data.balance=imba) and with offline concept balancing (data.balance=
-temperature, α = 1); does each draw the rare shapes (star, cross, ring) the natural run draws as blobs?
+temperature at α = 1, and at the shipped α = 0.5); does each draw the rare shapes (star, cross, ring) the natural
+run draws as blobs?
 
-    python bench/default_balance.py --out bench/default_balance          # 3 runs of train.py, then the reading
+    python bench/default_balance.py --out bench/default_balance          # 4 runs of train.py, then the reading
     python bench/default_balance.py --runs natural imba --out /tmp/db    # a subset
     python bench/default_balance.py --runs natural imba --seeds 0 1 2 --out bench/default_balance_seeds
                                                                          # three training seeds each
@@ -38,6 +39,7 @@ RUNS = {
     "natural": [],
     "imba": ["data.balance=imba"],
     "temperature": ["data.balance=temperature", "data.balance_alpha=1"],
+    "temperature_a05": ["data.balance=temperature", "data.balance_alpha=0.5"],  # the shipped α
 }
 HEAD, TAIL = ("circle", "square", "triangle"), ("star", "cross", "ring")
 COLOURS = ("red", "blue")

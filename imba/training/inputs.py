@@ -195,7 +195,7 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
     lag = loader_lag(d.num_workers, d.loader_threads, cfg.train.grad_accum)
     accelerator.print(f"data: balanced online by the IMBA distance of {len(table.entries):,} concepts and "
                       f"combinations: weights refreshed every {d.balance_every} steps (in effect {lag} steps later), "
-                      f"at most {d.balance_max:g}x natural")
+                      f"by score^{d.balance_rate:g}, at most {d.balance_max:g}x natural")
     balance = OnlineBalance(table, max_factor=d.balance_max, rate=d.balance_rate)
     return OnlineBalancer(balance, plan.units, starts, plan.samples_per_epoch,
                           cfg.train.seed, every=d.balance_every, fraction=d.balance_fraction, lag=lag,
