@@ -720,8 +720,8 @@ def test_the_quick_levers_experiment(tmp_path):
 @pytest.mark.slow
 def test_the_quick_benchmark_trains_the_three_streams_and_the_efficient_imba_form_in_both_worlds(tmp_path):
     """`python bench/composition.py --quick` as a user runs it: judged by the shipped oracles, plain on the
-    long-tailed, pair-balanced and concept-balanced streams of fixed scenes and the efficient IMBA form, 400 steps on
-    seed 0 in both worlds (the streams on to 520), evaluated and tabulated."""
+    long-tailed, pair-balanced and concept-balanced streams of fixed scenes, the efficient IMBA form and the
+    caption-balanced stream, 400 steps on seed 0 in both worlds (the streams on to 520), evaluated and tabulated."""
     assert composition.main(["--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["oracle"] == json.loads(composition.ORACLE.with_suffix(".json").read_text())
@@ -735,6 +735,6 @@ def test_the_quick_benchmark_trains_the_three_streams_and_the_efficient_imba_for
         assert len(rates) == 40 and all(0.0 <= r <= 1.0 for r in rates.values())
     for world in WORLDS:
         gaps = results["worlds_results"][world]["gap_closed"]["equal compute, per_pair"][length]
-        assert {"plain_concept_balanced", "imba_target_tnorm_efficient"} <= set(gaps)
+        assert {"plain_concept_balanced", "imba_target_tnorm_efficient", "caption_balanced"} <= set(gaps)
     assert "| imba_target_tnorm_efficient |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "composition.png").stat().st_size > 1000
