@@ -1,7 +1,7 @@
 """Synthetic composition benchmark: does a loss or a stream close the gap that data imbalance opens? (paper Tab. 1/3)
 
     python bench/composition.py                 # both worlds, 5 seeds, fixed scenes (see bench/README.md for time)
-    python bench/composition.py --quick         # 1 seed, both worlds, the three streams, efficient IMBA, caption-balanced
+    python bench/composition.py --quick         # 1 seed, both worlds: three streams, efficient IMBA, caption-balanced
     python bench/composition.py --variants plain plain_balanced importance importance_joint inverse_freq \
         --out bench/composition_reweight       # the re-weighting baselines
     python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
@@ -41,8 +41,9 @@ equal-step lengths, and with --reach-controls on to the controls' last point (1,
 also 1,872, where their counted compute is the controls' 1,950). The command above adds them to the default study:
 the four default variants' runs are reused (its largest nominal cost is still 1.3, so the controls' lengths stay
 1000, 1500, 1950; leaving imba_target_tnorm_efficient out would make it 1.042 and rerun the controls to 1562 steps).
-caption_balanced, imba_balanced and imba_balanced_fast on to 1,950 steps (30 runs) took 58.5 min; the no-grad pass
-over 4 rows costs more than 4/96 of a step on a CPU (imba_balanced 1.19× plain's step time). Each run is saved as it ends, so the variants can be run in separate
+caption_balanced, imba_balanced and imba_balanced_fast on to 1,950 steps (30 runs) took 58.5 min, then
+imba_balanced_wide (10 runs) 34.0 min; the no-grad pass over 4 rows costs more than 4/96 of a step on a CPU
+(imba_balanced 1.19× plain's step time). Each run is saved as it ends, so the variants can be run in separate
 commands.
 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
@@ -262,10 +263,9 @@ class WeightedScenes:
     the scenes' captions alone, through the entries `data.balance` extracts from them (concepts, attribute:object
     bindings, object pairs), as a real data set's sampler would set them without labels: fixed once for "caption"
     (temperature with exponent `alpha`), and for "imba_online" the factors of `data.online_balance.OnlineBalance`,
-    which move with the distances `observe` feeds it at every `refresh`."""
+    which move with the distances `observe` feeds it at every `refresh` (`online`: its rate and max_factor)."""
 
-    def __init__(self, stream: str, captions: list[str], alpha: float | None = None, rate: float = 0.5,
-                 max_factor: float = 16.0):
+    def __init__(self, stream: str, captions: list[str], alpha: float | None = None, **online):
         from data.balance import BalanceSettings, balance_factors, build_concept_table
         from data.concepts import default_extractor
 
@@ -277,7 +277,7 @@ class WeightedScenes:
         elif stream == "imba_online":
             from data.online_balance import OnlineBalance
 
-            self.online = OnlineBalance(self.table, max_factor=max_factor, rate=rate)
+            self.online = OnlineBalance(self.table, **online)
             self.factors = self._online_factors()
         else:
             raise ValueError(f"unknown weighted stream {stream!r}; choose one of {', '.join(WEIGHTED_STREAMS)}")
@@ -440,8 +440,9 @@ def run_one(job: dict) -> dict:
         raise ValueError(f"{variant} composes its scenes at batch time; run it with --scenes online")
     if scene_pool is None and stream in WEIGHTED_STREAMS:
         raise ValueError(f"{variant} weights a fixed pool of scenes by their captions; run it with --scenes fixed")
-    weighted = (WeightedScenes(stream, scene_pool.captions(), spec.get("alpha"), spec.get("rate", 0.5),
-                               spec.get("max_factor", 16.0)) if stream in WEIGHTED_STREAMS else None)
+    online = {k: spec[k] for k in ("rate", "max_factor") if k in spec}
+    weighted = (WeightedScenes(stream, scene_pool.captions(), spec.get("alpha"), **online)
+                if stream in WEIGHTED_STREAMS else None)
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
     if spec.get("reweight"):
