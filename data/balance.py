@@ -68,8 +68,8 @@ class BalanceSettings:
 
 
 def caption_entries(concepts: Sequence[str], kind: Callable[[str], str]) -> list[str]:
-    """The entries of a caption (see the module doc) from its concepts in caption order and their kinds
-    ("attribute" | "object")."""
+    """The entries of a caption (see the module doc) from its concepts in caption order, every mention with its
+    repeats (an extractor's `mentions`), and their kinds ("attribute" | "object")."""
     entries = list(dict.fromkeys(concepts))
     objects = []
     for here, following in itertools.zip_longest(concepts, concepts[1:]):
@@ -109,11 +109,12 @@ def _extract_chunk(job: tuple[list[str], Callable]) -> tuple[list[str], np.ndarr
     """Captions -> (local entry names, lengths, local ids): runs in worker processes."""
     captions, extractor = job
     kind = getattr(extractor, "kind", lambda concept: "object")
+    mentions = getattr(extractor, "mentions", extractor)  # repeats kept: "red" binds in both "red circle", "red square"
     local: dict[str, int] = {}
     lengths = np.empty(len(captions), dtype=np.int64)
     ids: list[int] = []
     for row, caption in enumerate(captions):
-        entries = caption_entries(extractor(caption), kind) if caption else []
+        entries = caption_entries(mentions(caption), kind) if caption else []
         lengths[row] = len(entries)
         ids.extend(local.setdefault(e, len(local)) for e in entries)
     return list(local), lengths, np.asarray(ids, dtype=np.int32)

@@ -90,7 +90,8 @@ def _extractor(needed: bool, extractor: Callable | None) -> Callable | None:
 def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceSettings,
                      extractor: Callable | None = None) -> str:
     """What the stored plan must have been made for to be reused: shards, sources, epoch, balance, vocabulary."""
-    extractor = _extractor(balance.method != "none", extractor)
+    # The extractor counts even for a plan that reads no captions: data.balance=imba keys its entry table by it.
+    extractor = _extractor(True, extractor)
     describe = getattr(extractor, "describe", lambda: {"name": type(extractor).__name__})
     parts = {
         "version": PLAN_VERSION,

@@ -21,7 +21,12 @@ import pytest
 from PIL import Image
 
 from data import concepts as C
+from data.balance import BalanceSettings, build_concept_table, entry_counts
+from data.draw_plan import entry_table, index_captions, load_entry_table, plan_fingerprint
+from data.index import load_or_build_index, parse_sample
+from data.sources import SourceConfig, SourceMix, resolve_sources
 from data.synthetic import COLOURS, SHAPES, write_synthetic_shards
+from shard_helpers import png, write_tar
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,6 +115,56 @@ def test_extractor_multiword_longest_first_and_once_per_caption():
     assert ex("Kids wearing t-shirts near wine glasses") == ["child", "t-shirt", "wine glass"]  # aliases
     assert ex("a red circle and an orange square") == ["red", "circle", "orange", "square"]
     assert ex("") == [] and ex("!!!") == []
+
+
+def test_a_repeated_concept_binds_at_every_mention_and_counts_once_per_caption():
+    ex = C.default_extractor()
+    assert ex.mentions("a red circle and a red square") == ["red", "circle", "red", "square"]
+    assert ex("a red circle and a red square") == ["red", "circle", "square"]  # concepts: each once
+    table = build_concept_table(["a red circle and a red square", "a red circle and a blue circle"], ex)
+    assert sorted(table.sample_entries(0)) == sorted(
+        ["red", "circle", "square", "red:circle", "red:square", "circle + square"])
+    assert sorted(table.sample_entries(1)) == sorted(["red", "circle", "blue", "red:circle", "blue:circle"])
+    counts = dict(zip(table.entries, entry_counts(table)))
+    # samples with the entry: "red" is mentioned three times in two captions
+    assert counts == {"red": 2, "circle": 2, "square": 1, "blue": 1, "red:circle": 2, "red:square": 1,
+                      "blue:circle": 1, "circle + square": 1}
+    stats = C.count_concepts(["a red circle and a red square", "a red circle and a blue circle"])
+    assert stats.counts == Counter({"red": 2, "circle": 2, "square": 1, "blue": 1})
+
+
+class FirstMentionExtractor(C.VocabExtractor):
+    """Bindings read from the concepts without repeats: "a red circle and a red square" binds only red:circle."""
+
+    rule = "first-mention"
+
+    def mentions(self, caption: str) -> list[str]:
+        return list(dict.fromkeys(super().mentions(caption)))
+
+
+def test_the_binding_rule_is_part_of_the_plan_fingerprint_and_the_entry_table_key(tmp_path, monkeypatch):
+    captions = ["a red circle and a red square", "a red circle and a blue circle"]
+    shard = write_tar(tmp_path / "part-000000.tar", [
+        {"__key__": f"{i:04d}", "png": png((i, 0, 0)), "txt": c.encode()} for i, c in enumerate(captions)])
+    index = load_or_build_index(shard, index_dir=tmp_path)
+    mix = SourceMix(resolve_sources([SourceConfig(shard)]), index.nsamples, 0)
+    old, new = FirstMentionExtractor(), C.VocabExtractor()
+    assert "red:square" not in build_concept_table(captions, old).sample_entries(0)  # the rules differ
+    for balance in (BalanceSettings(), BalanceSettings("temperature", alpha=0.5)):
+        assert plan_fingerprint(index, mix, balance, new) == plan_fingerprint(index, mix, balance, C.VocabExtractor())
+        assert plan_fingerprint(index, mix, balance, old) != plan_fingerprint(index, mix, balance, new)
+
+    # data.balance=imba keys its entry table by the natural plan's fingerprint, made with the default extractor
+    natural = BalanceSettings()
+    fresh = plan_fingerprint(index, mix, natural)
+    with monkeypatch.context() as m:
+        m.setattr(C.VocabExtractor, "rule", FirstMentionExtractor.rule)
+        stale = plan_fingerprint(index, mix, natural)
+    assert stale != fresh
+    entry_table(index, tmp_path / "data", stale, old)
+    assert load_entry_table(tmp_path / "data", stale) is not None
+    assert load_entry_table(tmp_path / "data", fresh) is None  # the table of the old rule is not reused
+    assert "red:square" in entry_table(index, tmp_path / "data", fresh).sample_entries(0)
 
 
 def test_bundled_vocabulary_is_clean_and_covers_the_synthetic_set(caplog):

@@ -7,7 +7,10 @@ and punctuation are dropped, each word is folded to a singular that the vocabula
 box, berries -> berry, leaves -> leaf, mice -> mouse, children -> child: `data.text.singularize`, a small irregulars
 table plus suffix rules, tried in order and kept only if the result is a vocabulary word, so "bus" and "glass"
 stay themselves), and vocabulary phrases are matched greedily, longest first, left to right ("a teddy bear and a
-hot dog" -> teddy bear, hot dog; no bear, no dog). Each concept counts at most once per caption.
+hot dog" -> teddy bear, hot dog; no bear, no dog). Each concept counts at most once per caption: calling an
+extractor gives its concepts once each, in order of first mention. Its `mentions` gives every mention in caption
+order, repeats kept ("a red circle and a red square" -> red, circle, red, square), which is what attribute:object
+bindings are read from (`data.balance`): from the list without repeats that caption would lose red:square.
 `SpacyExtractor` (`--extractor spacy`) uses lemmatised noun-chunk heads (with their compound modifiers) instead,
 when spaCy and an English model are installed; the default path never imports spaCy.
 """
@@ -117,6 +120,9 @@ class VocabExtractor:
     """caption -> the vocabulary concepts it mentions (each once, in order of first mention); see module docstring."""
 
     name = "vocab"
+    # What a caption's entries are read from; part of `describe()`, so a draw plan or entry table computed under
+    # another rule (bindings from the list without repeats) is not reused.
+    rule = "mentions-in-order"
 
     def __init__(self, vocabulary: Vocabulary | str | os.PathLike | None = None) -> None:
         if not isinstance(vocabulary, Vocabulary):
@@ -141,7 +147,8 @@ class VocabExtractor:
             folded = self._fold_cache[word] = singularize(word, self._known)
         return folded
 
-    def __call__(self, caption: str) -> list[str]:
+    def mentions(self, caption: str) -> list[str]:
+        """Every vocabulary concept the caption mentions, in caption order, repeats kept."""
         words = [self._fold(w) for w in tokenize(caption)]
         found: list[str] = []
         i, n = 0, len(words)
@@ -151,12 +158,14 @@ class VocabExtractor:
                 for length in range(min(self._max_len, n - i), 0, -1):
                     concept = self._phrases.get(tuple(words[i : i + length]))
                     if concept is not None:
-                        if concept not in found:
-                            found.append(concept)
+                        found.append(concept)
                         step = length
                         break
             i += step
         return found
+
+    def __call__(self, caption: str) -> list[str]:
+        return list(dict.fromkeys(self.mentions(caption)))
 
     def batch(self, captions: Sequence[str]) -> list[list[str]]:
         return [self(c) for c in captions]
@@ -165,7 +174,8 @@ class VocabExtractor:
         return self.vocabulary.kinds.get(concept, "object")
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "vocab": self.vocabulary.source, "vocab_size": len(self.vocabulary)}
+        return {"name": self.name, "rule": self.rule, "vocab": self.vocabulary.source,
+                "vocab_size": len(self.vocabulary)}
 
 
 # Noun-chunk heads that name the picture rather than something in it.
@@ -211,7 +221,7 @@ class SpacyExtractor:
         self.__init__(**state)
 
     @staticmethod
-    def _doc_concepts(doc: Any) -> list[str]:
+    def _doc_mentions(doc: Any) -> list[str]:
         found: list[str] = []
         for chunk in doc.noun_chunks:
             root = chunk.root
@@ -221,16 +231,19 @@ class SpacyExtractor:
             if not lemma or lemma in _SPACY_STOP or not any(ch.isalpha() for ch in lemma):
                 continue
             compounds = [t.lemma_.lower() for t in root.children if t.dep_ == "compound" and t.i < root.i]
-            concept = " ".join(compounds + [lemma])
-            if concept not in found:
-                found.append(concept)
+            found.append(" ".join(compounds + [lemma]))
         return found
 
+    def mentions(self, caption: str) -> list[str]:
+        """Every noun-chunk concept of the caption, in caption order, repeats kept."""
+        return self._doc_mentions(self._nlp(caption))
+
     def __call__(self, caption: str) -> list[str]:
-        return self._doc_concepts(self._nlp(caption))
+        return list(dict.fromkeys(self.mentions(caption)))
 
     def batch(self, captions: Sequence[str]) -> list[list[str]]:
-        return [self._doc_concepts(doc) for doc in self._nlp.pipe(captions, batch_size=self.batch_size)]
+        docs = self._nlp.pipe(captions, batch_size=self.batch_size)
+        return [list(dict.fromkeys(self._doc_mentions(doc))) for doc in docs]
 
     def kind(self, concept: str) -> str:
         return "object"
