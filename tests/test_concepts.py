@@ -257,6 +257,80 @@ def test_streamed_shards_read_like_local_ones(shard_dir):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# captions line up with the samples, whatever is wrong with one
+# ----------------------------------------------------------------------------------------------------------------
+
+# sample i's caption names NOUNS[i]: no two samples share a concept, so a caption read for the wrong sample shows
+NOUNS = ["cat", "dog", "horse", "boat", "chair", "clock", "kite", "zebra", "bird", "cup", "lamp", "tree", "car",
+         "bench", "bus"]
+
+
+def _aligned_shards(folder: Path) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """Two shards: the first with each kind of bad sample between good ones, the second good only. Returns the shard
+    paths and, per sample in shard order, (key, the caption it must give, its concepts); every caption names its
+    sample's index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple[str, str, list[str]]] = []
+    image = png((1, 2, 3))
+
+    def sample(members: dict, caption: str = "", concepts: tuple[str, ...] = ()) -> dict:
+        key = f"s{len(rows):03d}"
+        rows.append((key, caption, list(concepts)))
+        return {"__key__": key, **members}
+
+    def good(image_member: str = "png", image_bytes: bytes = image) -> dict:
+        noun = NOUNS[len(rows)]
+        caption = f"sample {len(rows)}: a {noun}"
+        return sample({image_member: image_bytes, "txt": caption.encode()}, caption, (noun,))
+
+    bad = [
+        lambda: sample({"png": image, "json": b'{"caption": "sample 1: a dog", '}),  # json that does not parse
+        lambda: sample({"png": image, "json": json.dumps({"width": 20, "height": 12}).encode()}),  # no caption field
+        lambda: sample({"png": image}),  # no txt, no json
+        lambda: good("jpg", b"\xff\xd8 not a jpeg"),  # undecodable image: the loader skips it, its caption counts
+        lambda: sample({"png": image, "txt": b"  \n "}),  # empty caption
+        lambda: sample({"png": image, "txt": "caf\u00e9 cr\u00e8me".encode("latin-1")}),  # not UTF-8
+    ]
+    first = [good()]
+    for make in bad:
+        first += [make(), good()]
+    second = [good(), good()]
+    shards = [write_tar(folder / "part-000000.tar", first), write_tar(folder / "part-000001.tar", second)]
+    return shards, rows
+
+
+def test_shard_captions_line_up_with_the_samples_whatever_is_wrong_with_one(tmp_path):
+    shards, rows = _aligned_shards(tmp_path)
+    skipped: Counter = Counter()
+    got = [c for url in shards for c in C.iter_shard_captions(url, "caption", skipped, keep_missing=True)]
+    assert got == [caption for _, caption, _ in rows]
+    assert got[1] == "" and got[2] == "sample 2: a horse"  # the sample after the unparsable json keeps its own
+    # unparsable json and non-UTF-8 text; a json without the field, no caption member, an empty caption
+    assert skipped == Counter({"bad caption": 2, "no caption": 3})
+    assert [c for url in shards for c in C.iter_shard_captions(url)] == [c for _, c, _ in rows if c]
+
+
+def test_the_draw_plan_reads_each_sample_its_own_caption_and_concepts(tmp_path, caplog):
+    shards, rows = _aligned_shards(tmp_path / "shards")
+    index = load_or_build_index(shards, index_dir=tmp_path / "index")
+    assert len(index) == len(rows)
+    by_key = {key: (caption, concepts) for key, caption, concepts in rows}
+    keys = []
+    for i in range(len(index)):  # the key of sample i as the index (and so the loader) reads it
+        shard, start, end = index.locate(i)
+        with open(index.urls[shard], "rb") as f:
+            f.seek(start)
+            keys.append(parse_sample(f.read(end - start))["__key__"])
+    assert keys == [key for key, _, _ in rows]
+    with caplog.at_level(logging.WARNING, logger="data.draw_plan"):
+        captions = list(index_captions(index))
+        table = entry_table(index, tmp_path / "data", "fingerprint", C.default_extractor())
+    assert captions == [by_key[k][0] for k in keys]
+    assert [table.sample_entries(i) for i in range(len(table))] == [by_key[k][1] for k in keys]
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no shard padded or cut to its count
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # buckets
 # ----------------------------------------------------------------------------------------------------------------
 
