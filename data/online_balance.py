@@ -31,6 +31,7 @@ drawn more than `max_factor` times its natural rate relative to the unboosted on
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -154,15 +155,24 @@ class OnlineBalance:
         return {"running": {k: v.copy() for k, v in self.running.items()},
                 "window": {k: v.copy() for k, v in self.window.items()},
                 "weights": self.weights.copy(), "refreshes": self.refreshes, "entries": len(self.table.entries),
-                "bins": self.bins, "max_factor": self.max_factor}
+                "entries_digest": _entries_digest(self.table.entries), "bins": self.bins, "max_factor": self.max_factor}
 
     def load_state_dict(self, state: dict) -> None:
         if state["entries"] != len(self.table.entries) or state["bins"] != self.bins:
             raise ValueError(f"the online balance state was saved for {state['entries']} entries and "
                              f"{state['bins']} level bins, this run has {len(self.table.entries)} and {self.bins}: "
                              f"the captions or their concept vocabulary changed")
+        digest = _entries_digest(self.table.entries)
+        if state.get("entries_digest", digest) != digest:  # a state saved without the digest holds only the count
+            raise ValueError("the online balance state was saved for other entries (other names, or numbered in "
+                             "another order) than this run's: the captions or their concept vocabulary changed")
         self.running = {k: np.asarray(v, np.int64).copy() for k, v in state["running"].items()}
         self.window = {k: np.asarray(v, np.int64).copy() for k, v in state["window"].items()}
         self.weights = np.asarray(state["weights"], np.int64).copy()
         self.refreshes = int(state["refreshes"])
         self.weights = np.minimum(self.weights, round(self.max_factor * FACTOR_ONE))  # a lowered max_factor holds
+
+
+def _entries_digest(entries: Sequence[str]) -> str:
+    """The entry names in their order, hashed: a state's weights are indexed by entry id."""
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()

@@ -155,19 +155,34 @@ def test_the_state_round_trips_and_continues_identically(table):
     for _ in range(3):
         feed(a, rng)
         a.refresh()
-    feed(a, rng, batches=5)  # a window in progress
+    feed(a, rng, batches=5)  # a window in progress: it must travel with the state
     b = OnlineBalance(table)
     b.load_state_dict(a.state_dict())
-    feed(a, np.random.default_rng(9))
-    feed(b, np.random.default_rng(9))
-    a.refresh()
-    b.refresh()
-    assert np.array_equal(a.weights, b.weights) and a.refreshes == b.refreshes == 4
-    other = build_concept_table([RARE] * 3, default_extractor())
+    for k in range(4):  # the same further rows into both, and a refresh after each window
+        feed(a, np.random.default_rng(10 + k), rare_distance=0.5 if k >= 2 else 2.0)
+        feed(b, np.random.default_rng(10 + k), rare_distance=0.5 if k >= 2 else 2.0)
+        a.refresh()
+        b.refresh()
+        assert np.array_equal(a.weights, b.weights) and np.array_equal(a.scores(), b.scores())
+        assert a.refreshes == b.refreshes == 4 + k
+    assert weight(a, "red:cross") > FACTOR_ONE  # the comparison ran on moved weights, not on the initial ones
+
+
+def test_a_state_is_refused_by_a_table_of_other_entries(table):
+    balance = OnlineBalance(table)
+    balance.observe(np.arange(10), np.ones(10), np.zeros(10))
+    balance.refresh()
+    state = balance.state_dict()
     small = OnlineBalance(build_concept_table(["a green star"], default_extractor()))
     with pytest.raises(ValueError, match="entries"):
-        small.load_state_dict(a.state_dict())
-    assert len(other.entries) != len(table.entries)
+        small.load_state_dict(state)
+    # the same 11 entries, numbered in another order (head caption first): every weight would land on another entry
+    reordered = build_concept_table([HEAD, RARE], default_extractor())
+    assert sorted(reordered.entries) == sorted(table.entries) and reordered.entries != table.entries
+    with pytest.raises(ValueError, match="entries"):
+        OnlineBalance(reordered).load_state_dict(state)
+    with pytest.raises(ValueError, match="level bins"):
+        OnlineBalance(table, bins=4).load_state_dict(state)
 
 
 def test_reweighted_units_keep_each_groups_total_and_follow_the_factors():
