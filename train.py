@@ -32,10 +32,10 @@ from imba.training.export import export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
 from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
-from imba.training.metrics import JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
+from imba.training.metrics import DrawLog, JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
 from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
-from imba.training.resume import plan_resume, restore
+from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
 from imba.training.sampling import GridSampler
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
@@ -87,11 +87,18 @@ def main(argv: list[str]) -> int:
         register(accelerator, "online_balance", balancer)
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
-    state.world_size = accelerator.num_processes
+    global_batch = cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes  # samples per step
+    # what a checkpoint that records no data position read per step: its processes, this run's batch and accumulation
+    unrecorded = global_batch // accelerator.num_processes * resume.saved_world_size
+    if change := global_batch_change(state, unrecorded, global_batch):
+        accelerator.print(change)
+    # the samples of the global stream consumed so far: counted step by step, whatever the earlier process counts
+    position = stream_position(state, unrecorded)
+    state.world_size, state.samples, state.samples_per_step = accelerator.num_processes, position.samples, global_batch
 
     # ---- data ------------------------------------------------------------------------------------------------
-    # the loader continues where the checkpoint's processes stopped (weighted stream: the same draws on any count)
-    loader = make_loader(cfg, accelerator, sources, state.step, resume.saved_world_size, manifest,
+    # the loader continues at that position (weighted stream: the same draws on any process count)
+    loader = make_loader(cfg, accelerator, sources, position, manifest,
                          bucket_divisor=features.vae_scale * dit.config.patch_size, balancer=balancer)
     batches = iter(loader)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
@@ -100,11 +107,13 @@ def main(argv: list[str]) -> int:
     grids = GridSampler(cfg, objective, device, is_main, encoders=None if manifest else features,
                         accelerator=accelerator)
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
-    metrics_log = JsonlLogger(out / "metrics.jsonl") if is_main else None
+    metrics_log = JsonlLogger(out / "metrics.jsonl", keep_until=state.step) if is_main else None
+    # data.record_draws: the sample indices each rank trains on
+    draws_log = DrawLog(out, accelerator.process_index, state.step) if cfg.data.record_draws else None
     window, monitor = MetricWindow(), BucketMonitor()
     validator = Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
-    throughput = Throughput(cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes, state.step)
+    throughput = Throughput(global_batch, state.step)
     preemption = PreemptionHandler()  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit for a requeue
     # a non-finite loss or gradient norm skips the step on every rank; fp16: the GradScaler judges the gradients
     guard = DivergenceGuard(accelerator, cfg.train.max_bad_steps, check_grad_norm=accelerator.scaler is None)
@@ -118,6 +127,8 @@ def main(argv: list[str]) -> int:
 
     while state.step < cfg.train.max_steps:
         batch = next(batches)
+        if draws_log is not None:
+            draws_log.add(state.step + 1, batch)
         with accelerator.accumulate(wrapped):
             latents, cond = features.encode_batch(batch, device)
             noised = objective.noise(latents)
@@ -143,7 +154,7 @@ def main(argv: list[str]) -> int:
         if not accelerator.sync_gradients:
             continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
 
-        state.step += 1
+        state.advance(global_batch)
         progress.update(1)
         step, last = state.step, state.step == cfg.train.max_steps
         if balancer is not None and (refreshed := balancer.step_done(step, accelerator)):

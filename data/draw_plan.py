@@ -140,7 +140,7 @@ def plan_draws(
         if len(table) != mix.num_samples:
             raise ValueError(f"the concept statistics cover {len(table)} captions, the shards {mix.num_samples} "
                              f"samples: they do not belong to these shards")
-        factors = balance_factors(table, balance, natural)
+        factors = balance_factors(table, balance)
     expected = np.empty(mix.num_samples)
     for s, (a, b) in enumerate(zip(mix.starts[:-1], mix.starts[1:])):
         expected[a:b] = mix.draws[s] * factors[a:b] / factors[a:b].sum()
@@ -205,14 +205,18 @@ def describe_plan(plan: DrawPlan) -> list[str]:
 
 def plot_plan(plan: DrawPlan, folder: str | os.PathLike) -> Path | None:
     """draws.png in `folder`: each concept's draws per epoch, natural vs planned (log scale, most frequent first),
-    and the most boosted combinations; None (nothing drawn) when the plan has no concepts."""
+    and the most boosted combinations; None (nothing drawn) when the plan has no concepts. A draws.png newer than
+    the stored plan's report shows that plan already and is kept (every resume reads the plan again)."""
     rows = plan.report.get("concepts")
     if not rows:
         return None
+    png, report = Path(folder) / PLOT_NAME, Path(folder) / REPORT_NAME
+    if png.is_file() and report.is_file() and png.stat().st_mtime_ns >= report.stat().st_mtime_ns:
+        return png
     from .concepts.plot import plot_drawn_vs_natural
 
     combos = plan.report.get("most_boosted_combinations", [])
-    return plot_drawn_vs_natural(rows, Path(folder) / PLOT_NAME, combinations=combos,
+    return plot_drawn_vs_natural(rows, png, combinations=combos,
                                  title=f"Draws per epoch by concept: natural vs {plan.report['balance']['method']}")
 
 

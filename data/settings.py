@@ -59,6 +59,10 @@ class DataConfig:
     balance_fraction: float = 0.125
     balance_max: float = 16.0  # imba: the most a concept's draws may be multiplied by (1 = natural)
     balance_rate: float = 0.5  # imba: each refresh multiplies a concept's weight by its score ** balance_rate
+    # true: each rank writes the sample indices of every batch it trains on to <train.output_dir>/draws/rank_R.jsonl
+    # ({"step": s, "indices": [...]} a micro-batch, in order; a resume keeps the rows up to its checkpoint): what
+    # the model was trained on, to audit a mix, a balance or a resume. Indexed reading only (samples have an index)
+    record_draws: bool = False
 
     CHOICES: ClassVar[dict] = {"mode": ("auto", "indexed", "streaming"), "precompute": ("auto", "true", "false"),
                                "balance": (*BALANCE_METHODS, "imba")}
@@ -98,6 +102,9 @@ class DataConfig:
         if self.precompute == "true" and self.bucketing:
             raise ValueError("data.precompute=true stores one resolution: it cannot serve data.bucketing=true; set "
                              "one of them to false")
+        if self.record_draws and self.mode == "streaming":
+            raise ValueError("data.record_draws=true needs indexed reading: the streaming reader's samples have no "
+                             "index; set data.mode=indexed (local shards) or data.record_draws=false")
         if self.bucketing and self.mode == "streaming":
             raise ValueError("data.bucketing=true needs data.mode=indexed (or auto with local shards): the streaming "
                              "reader has no image sizes to bucket by; set data.bucketing=false or use local shards")

@@ -316,6 +316,7 @@ def test_a_weighted_stream_composes_with_buckets_on_any_process_count(shards, tm
     from accelerate import Accelerator
 
     from imba.training.inputs import make_loader, training_sources
+    from imba.training.resume import StreamPosition
 
     folder, _, _, bucket_of, _ = shards
     cfg = load_config([f"data.resolution={RES}", f"data.batch_size={BATCH}", "data.bucketing=true",
@@ -327,7 +328,8 @@ def test_a_weighted_stream_composes_with_buckets_on_any_process_count(shards, tm
         accelerator = Accelerator(cpu=True)
         accelerator.state.process_index, accelerator.state.num_processes = rank, world
         try:
-            loader = make_loader(cfg, accelerator, sources, step, saved, None, bucket_divisor=16)
+            position = StreamPosition(step, step * saved * BATCH)  # `step` steps of `saved` processes
+            loader = make_loader(cfg, accelerator, sources, position, None, bucket_divisor=16)
             return [(b["keys"], tuple(b["pixels"].shape[2:])) for b in itertools.islice(loader, n)]
         finally:
             accelerator.state.process_index, accelerator.state.num_processes = 0, 1

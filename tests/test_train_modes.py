@@ -29,9 +29,9 @@ def spied(monkeypatch):
     seen = {"loaders": [], "batches": []}
     real_make_loader, real_encode = train.make_loader, FrozenEncoders.encode_batch
 
-    def make_loader(cfg, accelerator, shards, consumed, *a, **k):
-        loader = real_make_loader(cfg, accelerator, shards, consumed, *a, **k)
-        seen["loaders"].append((loader, consumed))
+    def make_loader(cfg, accelerator, shards, position, *a, **k):
+        loader = real_make_loader(cfg, accelerator, shards, position, *a, **k)
+        seen["loaders"].append((loader, position.samples))
         return loader
 
     def encode_batch(self, batch, device):

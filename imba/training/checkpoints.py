@@ -96,21 +96,35 @@ class TrainState:
     """The loop's own counters, saved and restored with the checkpoint (`train_state.pt`, see `register_state`).
 
     `world_size` is the number of processes that wrote the checkpoint (None before the first save or load).
+    `samples`: the samples of the global stream the run has consumed, counted step by step, so that a resume
+    continues at the right place after any sequence of changes of process count, batch size or accumulation (None
+    after loading a checkpoint that does not record it). `samples_per_step`: the global batch of the run that wrote
+    the checkpoint (processes x grad_accum x batch size; None: not recorded).
     `loss`: the training loss, whose running state (if any) travels with the counters.
     """
 
     def __init__(self, world_size: int | None = None, loss=None) -> None:
         self.step = 0
         self.world_size = world_size
+        self.samples: int | None = 0
+        self.samples_per_step: int | None = None
         self.loss = loss
 
+    def advance(self, samples: int) -> None:
+        """One optimizer step done, which consumed `samples` samples of the global stream."""
+        self.step += 1
+        self.samples += samples
+
     def state_dict(self) -> dict:
-        return {"step": self.step, "world_size": self.world_size,
+        return {"step": self.step, "world_size": self.world_size, "samples": self.samples,
+                "samples_per_step": self.samples_per_step,
                 "loss": {} if self.loss is None else self.loss.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.world_size = state.get("world_size")
+        self.samples = None if state.get("samples") is None else int(state["samples"])
+        self.samples_per_step = state.get("samples_per_step")
         if self.loss is not None:
             self.loss.load_state_dict(state.get("loss", {}))
 

@@ -33,7 +33,7 @@ from data.online_balance import OnlineBalance
 from data.weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
 from imba.training.balancing import OnlineBalancer, loader_lag
 from imba.training.config import Config, ConfigError
-from imba.training.resume import batches_done
+from imba.training.resume import StreamPosition
 
 FEATURES_DIR = "features"  # <train.output_dir>/features/{train,val}: data.precompute=true's encoded shards
 SOURCE_NAME = "source.json"  # which input shards (and their sizes and times) a features folder was encoded from
@@ -203,24 +203,27 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
                           rank=accelerator.process_index)
 
 
-def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], step: int, saved_world_size: int,
+def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], position: StreamPosition,
                 manifest: dict | None, bucket_divisor: int, balancer: OnlineBalancer | None = None):
-    """The loader of `cfg.data`, continuing after `step` optimizer steps of `saved_world_size` processes: exactly,
-    on any process count, for the weighted stream (data.sources, data.balance; data.balance=imba: `balancer`'s
-    stream); in indexed mode after as many samples; in streaming mode reseeded."""
+    """The loader of `cfg.data`, continuing at `position` (what the run consumed of the global stream): exactly, on
+    any process count, for the weighted stream (data.sources, data.balance; data.balance=imba: `balancer`'s stream);
+    in indexed mode at the global batch the position falls in; in streaming mode reseeded from it."""
     d, world = cfg.data, accelerator.num_processes
-    consumed = batches_done(step, cfg.train.grad_accum, saved_world_size, world)
+    per_step = cfg.train.grad_accum * world * d.batch_size
+    step, samples = position.step, position.samples
     sampler = None
     if d.weighted():
-        samples_done = step * cfg.train.grad_accum * saved_world_size * d.batch_size
-        where = dict(rank=accelerator.process_index, world_size=world, samples_done=samples_done)
+        where = dict(rank=accelerator.process_index, world_size=world, samples_done=samples)
         if balancer is not None:  # its stream: the natural plan, re-weighted as the run goes
-            balancer.begin(step, samples_done, cfg.train.grad_accum * world * d.batch_size)
+            balancer.begin(step, samples, per_step)
             plan = balancer.order
             sampler = StreamBatchSampler(balancer.order, d.batch_size, **where)
         elif d.bucketing:  # the bucket of each image from the sizes in the index; the plan's draws within each bucket
             plan, index = draw_plan(cfg, accelerator, sources)
             buckets = bucket_sizes(d.resolution, bucket_divisor)
+            # the stream of bucket batches is cut in batches of data.batch_size: after a change of it (other bucket
+            # batches anyway) a position inside one starts at the next
+            where["samples_done"] = -(-samples // d.batch_size) * d.batch_size
             sampler = WeightedBucketSampler(plan.units, plan.samples_per_epoch,
                                             assign_buckets(index.sizes[:, 0], index.sizes[:, 1], buckets), buckets,
                                             d.batch_size, seed=cfg.train.seed, **where)
@@ -230,10 +233,13 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], st
             sampler = StreamBatchSampler(WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed),
                                          d.batch_size, **where)
         if step:
-            accelerator.print(f"data: the stream continues after {samples_done:,} samples "
-                              f"(epoch {samples_done / plan.samples_per_epoch:.2f})")
-    elif step:
-        accelerator.print(f"data: each rank continues after {consumed} batches of {d.batch_size}")
+            accelerator.print(f"data: the stream continues after {position.describe()}, epoch "
+                              f"{where['samples_done'] / plan.samples_per_epoch:.2f}")
+    # the uniform order and the stream reader count batches per rank: the global batch the position falls in
+    consumed = samples // (world * d.batch_size)
+    if step and not d.weighted():
+        accelerator.print(f"data: each rank continues after {consumed} batches of {d.batch_size}, at "
+                          f"{position.describe()}")
     shards = all_shards(sources)
     try:
         return build_loader(shards, d.mode, **d.decoding(), batch_size=d.batch_size, num_workers=d.num_workers,

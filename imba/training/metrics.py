@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from data.files import atomic_write
+from imba.training.config import ConfigError
+
 
 class MetricWindow:
     """Accumulates scalar stats between log points; `means()` returns and clears their averages.
@@ -50,17 +53,46 @@ class MetricWindow:
 
 
 class JsonlLogger:
-    """Appends one JSON object per log point; survives resume (it appends), readable with pandas.read_json."""
+    """Appends one JSON object per log point, readable with pandas.read_json. A run that resumes at step s keeps
+    the rows up to s (`keep_until`): the rows a killed run wrote after its last checkpoint are written again by the
+    resumed run, and would otherwise be there twice (a row cut short by the kill is dropped too)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, keep_until: int = 0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= keep_until]
+            atomic_write(self.path, "".join(f"{line}\n" for line in kept).encode())
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+class DrawLog:
+    """data.record_draws: the sample indices of every batch this rank trains on, one row a micro-batch in order,
+    in `<output_dir>/draws/rank_<rank>.jsonl` ({"step": s, "indices": [...]}); a resume at step s keeps the rows up
+    to s. Over the ranks, step s's k-th rows of ranks 0, 1, ... are consecutive positions of the global stream."""
+
+    def __init__(self, output_dir: Path, rank: int, keep_until: int) -> None:
+        self.log = JsonlLogger(Path(output_dir) / "draws" / f"rank_{rank}.jsonl", keep_until)
+
+    def add(self, step: int, batch: dict) -> None:
+        if "indices" not in batch:
+            raise ConfigError("data.record_draws=true needs indexed reading (remote shards are streamed, and a "
+                              "streamed sample has no index); set data.record_draws=false")
+        self.log.log(step, {"indices": [int(i) for i in batch["indices"]]})
+
+
+def _step_of(line: str) -> float:
+    """The step of a JSONL row; infinity for a line that is not a complete row."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return math.inf
+    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else math.inf
 
 
 def reduce_over_ranks(accelerator, means: dict[str, float]) -> dict[str, float]:

@@ -4,7 +4,12 @@ Same process count: `load_state` reads the checkpoint as it is. Another process 
 states and load as they are; DeepSpeed ZeRO-1/2/3 checkpoints partition the fp32 weights and AdamW moments per
 rank, so the main process first converts them to DeepSpeed's universal form (`checkpoints.to_universal`), which the
 engine re-partitions over the new ranks (`checkpoint.load_universal`). The LR schedule is re-counted in the new
-unit, and the data continues after the same number of samples (in a different order than the original run).
+unit.
+
+Where the data continues (`stream_position`): at the samples of the global stream the run consumed, counted step by
+step into the checkpoint (`TrainState.samples`), so any sequence of changes of process count, batch size or gradient
+accumulation neither replays nor skips a sample of the weighted stream. A checkpoint that does not record it
+continues at step x grad_accum x its processes x batch size, which is right when its run never changed them.
 
 Which checkpoint: the main process verifies (`checkpoints.resolve_resume`: `latest` passes over damaged ones) and
 every rank gets its answer, so the checkpoint is read once per run rather than once per rank, and all ranks raise
@@ -69,7 +74,7 @@ def prepare_world_size_change(checkpoint: Path, saved: int, accelerator: Acceler
     DDP: the checkpoint itself (full states on every rank). DeepSpeed ZeRO-1/2/3: its universal form, converted
     once by the main process. Anything else: a one-line refusal."""
     checkpoint, now, plugin = Path(checkpoint), accelerator.num_processes, accelerator.state.deepspeed_plugin
-    carried = "weights, optimizer, LR schedule and EMA carry over; data continues after the same number of samples"
+    carried = "weights, optimizer, LR schedule and EMA carry over; the data continues where the run stopped"
     if plugin is None:
         accelerator.print(f"resuming a {saved}-process checkpoint on {now} processes: {carried}")
         return checkpoint
@@ -105,7 +110,41 @@ def rescale_schedule(lr_scheduler, saved: int, now: int) -> None:
         schedule.last_epoch = schedule.last_epoch // saved * now
 
 
-def batches_done(step: int, grad_accum: int, saved_world_size: int, world_size: int) -> int:
-    """Batches each rank has consumed after `step` optimizer steps, in units of the current process count: the
-    data continues after the same number of samples when the checkpoint came from another count."""
-    return step * grad_accum * saved_world_size // world_size
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where the run's data continues: after `step` optimizer steps and `samples` samples of the global stream (the
+    positions all ranks read together). `recorded`: counted by the run and saved in its checkpoint; False: worked out
+    from the step count of a checkpoint that does not record it."""
+
+    step: int
+    samples: int
+    recorded: bool = True
+
+    def describe(self) -> str:
+        if self.recorded:
+            return f"{self.samples:,} samples (the position the checkpoint recorded)"
+        return (f"{self.samples:,} samples (step x train.grad_accum x the checkpoint's processes x data.batch_size: "
+                "the checkpoint records no position, which is right if its run never changed them)")
+
+
+def stream_position(state: TrainState, unrecorded_per_step: int) -> StreamPosition:
+    """The data position of a run restored into `state` (a fresh run: 0). A checkpoint that records none is taken to
+    have read `unrecorded_per_step` samples per step all along."""
+    if state.samples is not None:
+        return StreamPosition(state.step, state.samples)
+    return StreamPosition(state.step, state.step * unrecorded_per_step, recorded=False)
+
+
+def global_batch_change(state: TrainState, unrecorded_per_step: int, samples_per_step: int) -> str | None:
+    """A line for the log when a resumed run's global batch (`samples_per_step`: processes x grad_accum x batch size)
+    differs from the checkpoint's (`unrecorded_per_step` where the checkpoint does not record it); None when it is
+    the same, and for a fresh run."""
+    if state.step == 0:
+        return None
+    before = state.samples_per_step or unrecorded_per_step
+    if before == samples_per_step:
+        return None
+    return (f"the global batch changes from {before} to {samples_per_step} samples per step (processes x "
+            f"train.grad_accum x data.batch_size); the data continues at the same position. The LR schedule counts "
+            f"steps, so warm-up and decay go on by step while each step now reads {samples_per_step / before:.3g}x "
+            f"the samples: scale optim.lr yourself to keep the learning rate per sample")
