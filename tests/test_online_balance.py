@@ -127,6 +127,174 @@ def test_non_finite_distances_are_left_out(table):
         balance.observe([100], [1.0], [0.5])
 
 
+# The rule clause by clause, on hand-computed cases. Entries of RARE only: cross, red:cross, blue:ring, cross + ring;
+# of HEAD only: square, blue:square, red:ring, ring + square; of both: red, blue, ring. Samples 95-99 have none.
+RARE_ONLY, HEAD_ONLY, SHARED = ("cross", "red:cross", "blue:ring", "cross + ring"), \
+    ("square", "blue:square", "red:ring", "ring + square"), ("red", "blue", "ring")
+
+
+def primed(table, **settings):
+    """One level bin whose mean is 1: ten rows of caption-less samples at distance 1, then the first refresh (which
+    credits no entry: before it rows only feed the level means)."""
+    balance = OnlineBalance(table, bins=1, **settings)
+    balance.observe(np.r_[95:100, 95:100], np.ones(10), np.zeros(10))
+    balance.refresh()
+    return balance
+
+
+def score(balance, entry):
+    return balance.scores()[balance.table.entries.index(entry)]
+
+
+def test_a_score_is_the_entrys_mean_n_relative_to_the_average_rows(table):
+    balance = primed(table)
+    balance.observe([0, 95], [3.0, 1.0], [0.0, 0.0])  # n = 3 (the rare sample), 1 (a caption-less one)
+    balance.refresh()
+    # n̄ over all rows, caption-less ones too: (3 + 1) / 2 = 2; a rare entry: one row at 3 -> (3 + 8·2) / ((1 + 8)·2)
+    for entry in RARE_ONLY + SHARED:
+        assert score(balance, entry) == pytest.approx(19 / 18)
+        assert weight(balance, entry) == round(FACTOR_ONE * math.sqrt(19 / 18))
+    for entry in HEAD_ONLY:  # no row of theirs: never scored
+        assert score(balance, entry) == 1.0 and weight(balance, entry) == FACTOR_ONE
+
+
+def test_a_row_credits_every_entry_of_its_sample_and_no_other(table):
+    balance = primed(table)
+    balance.observe([0, 5], [3.0, 1.0], [0.0, 0.0])  # n = 3 (rare), 1 (head); n̄ = 2
+    balance.refresh()
+    for entry in RARE_ONLY:  # one row at 3: (3 + 16) / (9·2)
+        assert weight(balance, entry) == round(FACTOR_ONE * math.sqrt(19 / 18))
+    for entry in SHARED:  # both rows: (3 + 1 + 16) / ((2 + 8)·2) = 1
+        assert score(balance, entry) == pytest.approx(1.0) and weight(balance, entry) == FACTOR_ONE
+    for entry in HEAD_ONLY:  # one row at 1: (1 + 16) / 18 below 1, and a weight is never below natural
+        assert score(balance, entry) == pytest.approx(17 / 18) and weight(balance, entry) == FACTOR_ONE
+
+
+def test_a_weight_moves_from_where_it_is_and_is_clipped_at_natural_only_entries_of_the_window_move(table):
+    balance = primed(table)
+    at = {e: table.entries.index(e) for e in ("cross", "red:cross", "square")}
+    balance.weights[at["cross"]] = 2 * FACTOR_ONE
+    balance.weights[at["red:cross"]] = round(1.02 * FACTOR_ONE)
+    balance.weights[at["square"]] = 3 * FACTOR_ONE
+    balance.observe([0, 95], [1.0, 3.0], [0.0, 0.0])  # n̄ = 2; a rare entry: (1 + 16) / 18 = 17/18
+    balance.refresh()
+    assert weight(balance, "cross") == round(2 * FACTOR_ONE * math.sqrt(17 / 18))  # 2 · 0.972: gives draws back
+    assert weight(balance, "red:cross") == FACTOR_ONE  # 1.02 · 0.972 < 1: clipped at natural
+    assert weight(balance, "square") == 3 * FACTOR_ONE  # no row in the window: kept, whatever its score
+
+
+def test_a_weight_is_clipped_at_max_factor(table):
+    balance = primed(table, max_factor=1.05, rate=1.0)
+    balance.observe([0, 5], [3.0, 1.0], [0.0, 0.0])  # as above: rare entries 19/18 = 1.0556, shared ones 1
+    balance.refresh()
+    for entry in RARE_ONLY:
+        assert weight(balance, entry) == round(1.05 * FACTOR_ONE)
+    for entry in SHARED:
+        assert weight(balance, entry) == FACTOR_ONE
+
+
+@pytest.mark.parametrize("rate", [0.25, 2.0])
+def test_the_rate_is_the_power_of_the_score(table, rate):
+    balance = primed(table, rate=rate)
+    balance.observe([0, 95], [3.0, 1.0], [0.0, 0.0])  # a rare entry's score 19/18, as above
+    balance.refresh()
+    assert weight(balance, "cross") == round(FACTOR_ONE * (19 / 18) ** rate)
+
+
+def test_a_row_is_read_against_the_mean_of_its_level_bin(table):
+    balance = OnlineBalance(table, bins=4)  # bins [0, .25), [.25, .5), [.5, .75), [.75, 1)
+    balance.observe([95, 96, 97, 98], [1.0, 2.0, 4.0, 8.0], [0.1, 0.3, 0.6, 0.9])  # bin means 1, 2, 4, 8
+    balance.refresh()
+    balance.observe([0, 5], [2.0, 2.0], [0.49, 0.5])  # the same distance: n = 2/2 = 1 (rare), 2/4 = 0.5 (head)
+    balance.refresh()
+    # n̄ = 0.75; rare: (1 + 8·0.75) / (9·0.75) = 28/27; head: (0.5 + 6) / 6.75 = 26/27; shared: (1.5 + 6) / 7.5 = 1
+    assert weight(balance, "cross") == round(FACTOR_ONE * math.sqrt(28 / 27))
+    assert score(balance, "square") == pytest.approx(26 / 27) and score(balance, "red") == pytest.approx(1.0)
+
+
+def test_a_row_at_a_level_without_a_mean_is_read_against_the_mean_over_all_levels(table):
+    balance = OnlineBalance(table, bins=2)
+    balance.observe([95, 96], [2.0, 4.0], [0.1, 0.2])  # only the lower bin has rows: mean 3, over all levels 3
+    balance.refresh()
+    balance.observe([0, 5], [6.0, 3.0], [0.75, 0.25])  # n = 6/3 = 2 (upper bin, no mean), 3/3 = 1
+    balance.refresh()
+    # n̄ = 1.5; rare: (2 + 12) / (9·1.5) = 28/27; head: (1 + 12) / 13.5 = 26/27
+    assert weight(balance, "cross") == round(FACTOR_ONE * math.sqrt(28 / 27))
+    assert score(balance, "square") == pytest.approx(26 / 27)
+
+
+def test_before_the_first_refresh_rows_only_feed_the_level_means(table):
+    balance = OnlineBalance(table, bins=1)
+    balance.observe([0, 5, 95], [3.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    balance.refresh()
+    assert (balance.weights == FACTOR_ONE).all() and (balance.scores() == 1.0).all()
+    balance.observe([0, 95], [5.0, 5 / 3], [0.0, 0.0])  # level mean (3 + 1 + 1) / 3 = 5/3: n = 3, 1; n̄ = 2
+    balance.refresh()
+    # had the first rows been scored (against any mean), "cross" would hold two rows here, not one
+    assert weight(balance, "cross") == round(FACTOR_ONE * math.sqrt(19 / 18))
+
+
+def test_each_refresh_halves_the_running_statistics_before_adding_its_window(table):
+    balance = primed(table)  # level bin: 10 rows summing to 10
+    balance.observe([0, 95], [3.0, 1.0], [0.0, 0.0])  # n = 3, 1
+    balance.refresh()
+    shared = round(FACTOR_ONE * math.sqrt(19 / 18))  # n̄ = 2, a rare or shared entry: (3 + 16) / 18
+    assert weight(balance, "red") == shared
+    # level bin now: 10/2 + 4 = 9 over 10/2 + 2 = 7 rows, mean 9/7; a head row at d = 18/7 has n = 2
+    balance.observe([5], [18 / 7], [0.0])
+    balance.refresh()
+    # rows: (3 + 1)/2 + 2 = 4 over 2/2 + 1 = 2, n̄ = 2
+    # shared: S = 3/2 + 2 = 3.5 over C = 1/2 + 1 = 1.5 rows: (3.5 + 16) / (9.5·2) = 39/38
+    assert weight(balance, "red") == round(shared * math.sqrt(39 / 38))
+    # head only: (2 + 16) / (9·2) = 1
+    assert weight(balance, "square") == FACTOR_ONE
+    # rare only: S = 1.5 over C = 0.5, score (1.5 + 16) / (8.5·2) = 35/34, yet no row in this window: not moved
+    assert score(balance, "cross") == pytest.approx(35 / 34) and weight(balance, "cross") == shared
+
+
+def test_observations_are_fixed_point_integers_and_their_sums_do_not_depend_on_how_rows_are_split(table):
+    balance = primed(table)
+    balance.observe([0], [2 / 3], [0.0])  # n = 2/3 at level mean 1
+    # fixed point, FACTOR_ONE = 1.0: a row counts FACTOR_ONE, its n round(2/3 · FACTOR_ONE) to each of its entries
+    for entry in RARE_ONLY + SHARED:
+        assert balance.window["entry_sum"][table.entries.index(entry)] == round(2 / 3 * FACTOR_ONE)
+        assert balance.window["entry_rows"][table.entries.index(entry)] == FACTOR_ONE
+    assert balance.window["row_sum"][0] == round(2 / 3 * FACTOR_ONE) and balance.window["row_count"][0] == FACTOR_ONE
+    rng = np.random.default_rng(6)
+    idx, d = rng.integers(0, 100, 300), rng.uniform(0, 3, 300) ** 3  # spread magnitudes: float sums would drift
+    one, parts = primed(table), [primed(table) for _ in range(3)]
+    one.observe(idx, d, np.zeros(300))
+    for k, part in enumerate(parts):  # every third row, in reverse order
+        part.observe(idx[k::3][::-1], d[k::3][::-1], np.zeros(idx[k::3].size))
+    summed = [sum(arrays) for arrays in zip(*(p.window_arrays() for p in parts))]
+    assert all(np.array_equal(a, b) for a, b in zip(one.window_arrays(), summed))
+    one.refresh()
+    parts[0].refresh(lambda _: summed)
+    assert np.array_equal(one.weights, parts[0].weights) and (one.weights > FACTOR_ONE).any()
+
+
+def test_a_samples_factor_is_the_largest_weight_among_its_entries(table):
+    balance = OnlineBalance(table)
+    weights = np.full(len(table.entries), FACTOR_ONE, np.int64)
+    weights[table.entries.index("cross")] = 3 * FACTOR_ONE  # rare caption only
+    weights[table.entries.index("red")] = 2 * FACTOR_ONE  # both captions
+    weights[table.entries.index("square")] = 3 * FACTOR_ONE // 2  # head caption only
+    factors = balance.sample_factors(weights)
+    assert (factors[:5] == 3 * FACTOR_ONE).all()  # max(3, 2, 1, ...)
+    assert (factors[5:95] == 2 * FACTOR_ONE).all()  # max(2, 1.5, 1, ...)
+    assert (factors[95:] == FACTOR_ONE).all()  # no entries: natural
+    balance.weights = weights
+    assert np.array_equal(balance.sample_factors(), factors)  # by default the current weights
+
+
+def test_a_lowered_max_factor_holds_for_a_loaded_state(table):
+    high = primed(table, max_factor=4.0)
+    high.weights[table.entries.index("cross")] = 3 * FACTOR_ONE
+    low = OnlineBalance(table, max_factor=2.0, bins=1)
+    low.load_state_dict(high.state_dict())
+    assert weight(low, "cross") == 2 * FACTOR_ONE and weight(low, "red") == FACTOR_ONE
+
+
 def test_windows_summed_over_ranks_give_exactly_the_single_process_weights(table):
     rng = np.random.default_rng(4)
     rows = [(rng.integers(0, 95, 16), None, rng.random(16)) for _ in range(60)]
