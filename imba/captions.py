@@ -1,7 +1,8 @@
 """The null caption: the empty prompt "" as a frozen text encoder sees it, for the unconditional passes of IMBA.
 
-    null = NullCaption.encode(tokenizer, text_encoder, max_length=120).to(device)   # once, at set-up
+    null = NullCaption.encode(tokenizer, text_encoder, max_length=args.max_token_length).to(device)  # at set-up
     embeds, mask = null.cat(prompt_embeds, prompt_attention_mask)           # literal: 2B rows, captions then ""
+    added_cond_kwargs = null.repeat_rows(added_cond_kwargs)                 # literal: micro-conditions of 2B rows
     embeds, mask = null.where(drop, prompt_embeds, prompt_attention_mask)   # efficient: "" on the dropped rows
 
 `encode` tokenises and encodes "" exactly as diffusers' PixArt pipelines encode their default negative prompt
@@ -21,10 +22,11 @@ class NullCaption:
 
     `cat` and `where` fit the null caption to the captions' length L' (a null caption is one real token and
     padding, so cutting padding off or adding masked padding leaves what the transformer attends to unchanged),
-    to their dtype and device. Both refuse captions that already contain the null caption: IMBA trains the
-    unconditional model with weight 1 − lam, which replaces the script's own caption dropout (it must be 0).
-    `allow_empty_captions=True` lets such rows through, for a data set that holds empty captions on purpose (they
-    then train the unconditional model on top of its 1 − lam share).
+    to their dtype and device. Both refuse captions that already contain the null caption, at whatever length
+    either was encoded (only the attended tokens are compared: the padding's states depend on the length): IMBA
+    trains the unconditional model with weight 1 − lam, which replaces the script's own caption dropout (it must
+    be 0). `allow_empty_captions=True` lets such rows through, for a data set that holds empty captions on
+    purpose (they then train the unconditional model on top of its 1 − lam share).
     """
 
     def __init__(self, embeds: torch.Tensor, mask: torch.Tensor, allow_empty_captions: bool = False) -> None:
@@ -41,11 +43,12 @@ class NullCaption:
     def encode(cls, tokenizer, text_encoder, max_length: int, device=None, dtype: torch.dtype | None = None,
                allow_empty_captions: bool = False) -> "NullCaption":
         """Encode "" as PixArt's pipelines encode the negative prompt: `max_length` is the script's caption length
-        (120 for PixArt-α, 300 for PixArt-Σ). `device`: the encoder's by default; `dtype`: the encoder's output's."""
+        (its `--max_token_length`: 120 for PixArt-α, 300 for PixArt-Σ). `device`: the encoder's by default (pass it
+        for an encoder without parameters); `dtype`: the encoder's output's."""
         tokens = tokenizer([""], padding="max_length", max_length=max_length, truncation=True,
                            return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
         if device is None:
-            device = next(text_encoder.parameters()).device
+            device = _device_of(text_encoder)
         mask = tokens.attention_mask.to(device)
         embeds = text_encoder(tokens.input_ids.to(device), attention_mask=mask)[0]
         return cls(embeds if dtype is None else embeds.to(dtype), mask, allow_empty_captions)
@@ -76,6 +79,17 @@ class NullCaption:
         self._check_captions(embeds, mask)
         null_embeds, null_mask = self.expand(embeds.shape[0], like=(embeds, mask))
         return torch.cat([embeds, null_embeds]), torch.cat([mask, null_mask])
+
+    @staticmethod
+    def repeat_rows(added_cond_kwargs: dict) -> dict:
+        """The literal form's other per-row inputs for its 2B rows: each tensor of `added_cond_kwargs` (a diffusers
+        PixArt transformer's micro-conditions, `resolution` (B, 2) and `aspect_ratio` (B, 1)) repeated as the
+        latents are, `x.repeat(2, ...)`; None and 0-d values unchanged."""
+        if not isinstance(added_cond_kwargs, dict):
+            raise ValueError(f"NullCaption.repeat_rows: expects a dict of tensors (added_cond_kwargs), got "
+                             f"{type(added_cond_kwargs).__name__}")
+        return {name: torch.cat([value, value]) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                for name, value in added_cond_kwargs.items()}
 
     def where(self, drop: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +127,25 @@ class NullCaption:
             return
         null_embeds, null_mask = self._fit((embeds, mask))
         same_mask = (mask == null_mask).all(dim=1)
-        # the same tokens give the same states up to the rounding of another batch size or a half-precision encoder
-        close = (embeds - null_embeds).abs().flatten(1).amax(dim=1) <= 0.05 * null_embeds.abs().amax() + 1e-6
+        # Only the attended tokens: the padding's states change with the length "" was encoded at (and the
+        # transformer never reads them). The same tokens give the same states up to the rounding of another batch
+        # size or a half-precision encoder.
+        padding = ~null_mask.bool()[:, :, None]
+        gap = (embeds - null_embeds).abs().masked_fill(padding, 0).flatten(1).amax(dim=1)
+        close = gap <= 0.05 * null_embeds.abs().masked_fill(padding, 0).amax() + 1e-6
         rows = (same_mask & close) | (embeds == 0).flatten(1).all(dim=1)
         if bool(rows.any()):
             raise ValueError(f"NullCaption: caption rows {rows.nonzero().flatten().tolist()} already are the null "
                              "caption (or zeros): IMBA's 1 − lam replaces the script's caption dropout, so set that "
                              "to 0 (e.g. --proportion_empty_prompts 0); a data set with empty captions on purpose: "
                              "NullCaption.encode(..., allow_empty_captions=True)")
+
+
+def _device_of(text_encoder) -> torch.device:
+    """The device of the encoder's first parameter."""
+    parameters = getattr(text_encoder, "parameters", None)
+    first = next(iter(parameters()), None) if callable(parameters) else None
+    if first is None:
+        raise ValueError(f"NullCaption.encode: the text encoder ({type(text_encoder).__name__}) has no parameters to "
+                         "tell its device from: pass device=")
+    return first.device

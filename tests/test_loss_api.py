@@ -253,6 +253,50 @@ def test_null_caption_fills_rows_at_the_captions_length_dtype_and_device(text):
     assert null.kwargs(2)["encoder_attention_mask"].shape == (2, 6)
 
 
+@pytest.mark.parametrize("null_length, caption_length", [(6, 12), (12, 6)])
+def test_empty_captions_are_refused_whatever_length_either_was_encoded_at(text, null_length, caption_length):
+    """The padding's states depend on the length "" was encoded at (120 against a script's 300); the attended
+    token does not."""
+    tokenizer, encoder = text
+    null = NullCaption.encode(tokenizer, encoder, max_length=null_length)
+    tokens = tokenizer(["a cat", ""], padding="max_length", max_length=caption_length, truncation=True,
+                       return_tensors="pt")
+    with torch.no_grad():
+        embeds = encoder(tokens.input_ids, attention_mask=tokens.attention_mask)[0]
+    with pytest.raises(ValueError, match=r"caption rows \[1\] already are the null caption"):
+        null.cat(embeds, tokens.attention_mask)
+    with pytest.raises(ValueError, match=r"caption rows \[1\] already are the null caption"):
+        null.where(torch.tensor([False, False]), embeds.to(torch.bfloat16), tokens.attention_mask)
+    null.cat(embeds[:1], tokens.attention_mask[:1])  # a caption is let through
+
+
+def test_null_caption_needs_a_device_for_an_encoder_without_parameters(text):
+    tokenizer, encoder = text
+
+    class Precomputed(torch.nn.Module):  # e.g. states looked up, or an encoder served elsewhere
+        def forward(self, input_ids, attention_mask=None):
+            with torch.no_grad():
+                return (encoder(input_ids, attention_mask=attention_mask)[0],)
+
+    with pytest.raises(ValueError, match=r"text encoder \(Precomputed\) has no parameters .*pass device="):
+        NullCaption.encode(tokenizer, Precomputed(), max_length=8)
+    with pytest.raises(ValueError, match="has no parameters"):
+        NullCaption.encode(tokenizer, lambda ids, attention_mask: Precomputed()(ids, attention_mask), max_length=8)
+    null = NullCaption.encode(tokenizer, Precomputed(), max_length=8, device="cpu")
+    assert torch.equal(null.embeds, NullCaption.encode(tokenizer, encoder, max_length=8).embeds)
+
+
+def test_repeat_rows_gives_the_micro_conditions_of_the_literal_forms_2b_rows():
+    resolution, aspect_ratio = torch.tensor([[512.0, 768.0], [1024.0, 1024.0]]), torch.tensor([[1.5], [1.0]])
+    both = NullCaption.repeat_rows({"resolution": resolution, "aspect_ratio": aspect_ratio, "scale": torch.tensor(2.0)})
+    assert torch.equal(both["resolution"], resolution.repeat(2, 1))
+    assert torch.equal(both["aspect_ratio"], aspect_ratio.repeat(2, 1)) and both["scale"].dim() == 0
+    assert NullCaption.repeat_rows({"resolution": None, "aspect_ratio": None}) == {"resolution": None,
+                                                                                  "aspect_ratio": None}
+    with pytest.raises(ValueError, match=r"expects a dict of tensors \(added_cond_kwargs\), got Tensor"):
+        NullCaption.repeat_rows(resolution)
+
+
 def test_captions_that_already_hold_the_null_caption_are_refused(text):
     """The script's own caption dropout left on: IMBA's 1 − lam replaces it."""
     tokenizer, encoder = text
