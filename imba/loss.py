@@ -22,6 +22,7 @@ says what to pass instead.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -31,6 +32,7 @@ GRANULARITIES = ("token", "sample")
 DISTANCES = ("mse", "l1", "l2")
 REFERENCES = ("target", "cond")
 NORMALIZATIONS = ("none", "batch_mean", "timestep_mean")
+STATE_FILE = "imba_loss.pt"  # the loss's file in an accelerate checkpoint folder (`IMBALoss.checkpoint_with`)
 
 
 class LossSettingError(ValueError):
@@ -249,8 +251,10 @@ class IMBALoss:
                  detached conditional prediction; keeps the optimum at the true conditional mean, docs/method.md).
     normalize:   "none", "batch_mean" (divide D by its mean over the batch, so the loss scale stays put) or
                  "timestep_mean" (divide D by its running mean in the sample's timestep bin, `TimestepMean`; the
-                 call then needs `timesteps`, and the means are state: `state_dict`, and
-                 `accelerator.register_for_checkpointing(loss_fn)` saves them with `accelerator.save_state`).
+                 call then needs `timesteps`, and the means are the loss's only running state: `state_dict`, and
+                 `loss_fn.checkpoint_with(accelerator)` saves them with `accelerator.save_state`).
+    num_train_timesteps: the timesteps' range for the bins, 0 to this; 1 declares a schedule whose timesteps
+                 are t in [0, 1] (otherwise floating timesteps all in [0, 1] are refused as a likely mistake).
     timestep_reduce: how the timestep means are summed over processes: "auto" (an all-reduce when a
                  torch.distributed process group is initialised), a function, or None (per-process means).
     """
@@ -283,6 +287,7 @@ class IMBALoss:
                                    f"must be 'auto', None or an all-reduce function, got {self.timestep_reduce!r}")
         self.timestep_mean = (TimestepMean(self.timestep_bins, self.timestep_momentum, self.num_train_timesteps,
                                            self.timestep_reduce) if self.normalize == "timestep_mean" else None)
+        self._timestep_scale_checked = False
 
     @classmethod
     def for_transformer(cls, transformer, **settings) -> "IMBALoss":
@@ -307,6 +312,12 @@ class IMBALoss:
         return {} if self.timestep_mean is None else {"timestep_mean": self.timestep_mean.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        foreign = sorted(map(str, set(state) - {"timestep_mean"})) if isinstance(state, dict) else None
+        if foreign is None or foreign:
+            found = type(state).__name__ if foreign is None else f"keys {', '.join(foreign)}"
+            raise ValueError(f"IMBALoss: the saved state ({found}) is not an IMBALoss's, most likely another object "
+                             "registered for checkpointing in its place: register the objects in the order they "
+                             "were saved, or use loss_fn.checkpoint_with(accelerator)")
         saved = "timestep_mean" in state
         if self.timestep_mean is None and saved:
             raise ValueError(f"IMBALoss: the saved state holds timestep means but this loss has "
@@ -317,6 +328,36 @@ class IMBALoss:
                                  "normalize='timestep_mean'): build the loss as it was saved")
             self.timestep_mean.load_state_dict(state["timestep_mean"])
 
+    def checkpoint_with(self, accelerator):
+        """Make `accelerator.save_state` save the loss's running state and `load_state` restore it, in a file of
+        its own in the checkpoint folder (`imba_loss.pt`, written by the main process), whatever else the script
+        registers. A checkpoint without that file (one saved before IMBA was added) loads as it is, and the loss
+        starts fresh. Call it once at set-up, before any `load_state`; returns the two hooks' handles (`.remove()`
+        undoes it)."""
+        def save(models, weights, output_dir):
+            accelerator.save(self.state_dict(), os.path.join(output_dir, STATE_FILE))
+
+        def load(models, input_dir):
+            path = os.path.join(input_dir, STATE_FILE)
+            if os.path.exists(path):
+                self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+        return accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)
+
+    def _check_timestep_scale(self, timesteps: torch.Tensor) -> None:
+        """Refuses a first batch of floating timesteps all in [0, 1] with some not whole (a flow schedule's t or
+        σ where the transformer's t·T belong) unless the loss declares that range (num_train_timesteps=1). Only the
+        first floating batch is read: the mistake is in the script, not in one batch, and reading every batch would
+        wait on the device at every step."""
+        if self._timestep_scale_checked or not timesteps.is_floating_point() or self.num_train_timesteps <= 1:
+            return
+        if bool(((timesteps >= 0) & (timesteps <= 1)).all() & (timesteps.frac() != 0).any()):
+            raise ValueError(f"IMBALoss: timesteps are floats in [0, 1], but the timestep bins span 0 to "
+                             f"num_train_timesteps={self.num_train_timesteps}: pass the transformer's timesteps "
+                             f"(e.g. sigmas * {self.num_train_timesteps}), or, for timesteps that are t in [0, 1], "
+                             "build the loss with num_train_timesteps=1")
+        self._timestep_scale_checked = True
+
     def weights(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
                 valid: torch.Tensor | None = None, timesteps: torch.Tensor | None = None):
         """Return (D, d): the detached weight per token (B, N) and the raw distance per token (B, N).
@@ -324,8 +365,10 @@ class IMBALoss:
         `valid` (bool, (B,)) marks the rows whose D is defined; the normalisations use those rows only.
         `timesteps` (B,) are required by `timestep_mean`.
         """
-        if self.timestep_mean is not None and timesteps is None:
-            raise ValueError("IMBALoss: normalize='timestep_mean' needs the batch's timesteps")
+        if self.timestep_mean is not None:
+            if timesteps is None:
+                raise ValueError("IMBALoss: normalize='timestep_mean' needs the batch's timesteps")
+            self._check_timestep_scale(timesteps)
         reference = target if self.reference == "target" else pred_cond
         with torch.no_grad():
             d = token_distance(reference.detach(), pred_uncond.detach(), self.patch_size, self.distance)

@@ -194,6 +194,65 @@ def test_running_state_saves_loads_and_refuses_another_loss(tmp_path):
         IMBALoss(normalize="timestep_mean").load_state_dict({})
 
 
+@pytest.mark.parametrize("normalize", ["none", "timestep_mean"])
+def test_a_state_that_is_not_the_losss_is_refused(normalize):
+    """Another registered object's state handed to the loss (objects registered in another order than saved)."""
+    ema = {"decay": 0.999, "shadow_params": [torch.zeros(2)]}
+    with pytest.raises(ValueError, match=r"saved state \(keys decay, shadow_params\) is not an IMBALoss's.*order"):
+        IMBALoss(normalize=normalize).load_state_dict(ema)
+    with pytest.raises(ValueError, match=r"saved state \(list\) is not an IMBALoss's"):
+        IMBALoss(normalize=normalize).load_state_dict([1, 2])
+
+
+def test_checkpoint_with_carries_the_state_and_loads_checkpoints_without_it(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        loss_fn = IMBALoss(normalize="timestep_mean")
+        handles = loss_fn.checkpoint_with(accelerator)
+        accelerator.save_state(str(tmp_path / "before"))  # a fresh loss: its fresh means
+        pc, pu, t = tensors(4, 2, 4, 4)
+        loss_fn(pc, pu, t, timesteps=torch.tensor([10, 400, 700, 999]))
+        saved = loss_fn.state_dict()["timestep_mean"]
+        accelerator.save_state(str(tmp_path / "after"))
+        assert (tmp_path / "after" / "imba_loss.pt").is_file()
+        accelerator.load_state(str(tmp_path / "before"))
+        assert not loss_fn.state_dict()["timestep_mean"]["seen"].any()
+        accelerator.load_state(str(tmp_path / "after"))
+        assert torch.equal(loss_fn.state_dict()["timestep_mean"]["means"], saved["means"])
+        (tmp_path / "after" / "imba_loss.pt").unlink()  # as a checkpoint saved before IMBA was added
+        accelerator.load_state(str(tmp_path / "after"))
+        assert torch.equal(loss_fn.state_dict()["timestep_mean"]["means"], saved["means"])  # nothing to load
+        for handle in handles:
+            handle.remove()
+        IMBALoss().checkpoint_with(accelerator)  # a loss built otherwise than the one saved
+        with pytest.raises(ValueError, match="holds timestep means but this loss has normalize='none'"):
+            accelerator.load_state(str(tmp_path / "before"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_floating_timesteps_in_0_1_are_refused_unless_the_loss_declares_them():
+    """A flow schedule's t or σ passed where the transformer's timesteps (0 to 1000) belong would put every
+    sample in the first bin."""
+    pc, pu, t = tensors(3, 4, 4, 4)
+    sigmas = torch.tensor([0.1, 0.5, 0.97])
+    with pytest.raises(ValueError, match=r"timesteps are floats in \[0, 1\].*sigmas \* 1000.*num_train_timesteps=1"):
+        IMBALoss(normalize="timestep_mean")(pc, pu, t, timesteps=sigmas)
+    declared = IMBALoss(normalize="timestep_mean", timestep_bins=2, num_train_timesteps=1)
+    declared(pc, pu, t, timesteps=sigmas)
+    assert declared.timestep_mean.seen.tolist() == [True, True]  # 0.97 in the second of two bins
+    loss_fn = IMBALoss(normalize="timestep_mean")
+    loss_fn(pc, pu, t, timesteps=sigmas * 1000)  # the transformer's timesteps, as floats
+    loss_fn(pc, pu, t, timesteps=torch.tensor([0.0, 1.0, 1.0]))  # whole numbers: DDPM timesteps as floats
+    loss_fn(pc, pu, t, timesteps=torch.tensor([0, 1, 1]))
+    IMBALoss(normalize="timestep_mean")(pc, pu, t, timesteps=torch.tensor([0.0, 1.0, 1.0]))
+    IMBALoss()(pc, pu, t, timesteps=sigmas)  # unused by the other normalisations
+
+
 def test_timestep_means_reduce_over_processes_unless_told_not_to():
     calls = []
     fn = IMBALoss(normalize="timestep_mean", timestep_reduce=lambda totals: calls.append(totals.shape))
