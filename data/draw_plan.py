@@ -140,7 +140,7 @@ def plan_draws(
         if len(table) != mix.num_samples:
             raise ValueError(f"the concept statistics cover {len(table)} captions, the shards {mix.num_samples} "
                              f"samples: they do not belong to these shards")
-        factors = balance_factors(table, balance)
+        factors = balance_factors(table, balance, natural)
     expected = np.empty(mix.num_samples)
     for s, (a, b) in enumerate(zip(mix.starts[:-1], mix.starts[1:])):
         expected[a:b] = mix.draws[s] * factors[a:b] / factors[a:b].sum()
