@@ -4,8 +4,8 @@
 # and the working tree (yours, or other people's half-finished edits in it) is neither touched nor read.
 #
 #   bench/mutation.sh MODULE_FILE TEST_FILE... [-- MUTANT_GLOB...]
-#   bench/mutation.sh imba/training/guard.py tests/test_round2_guard.py tests/test_divergence.py
-#   bench/mutation.sh data/precomputed.py tests/test_round2_reader.py -- 'data.precomputed.xǁ_RecycledMemoryǁ*'
+#   bench/mutation.sh imba/training/guard.py tests/test_guard_edges.py tests/test_divergence.py
+#   bench/mutation.sh data/precomputed.py tests/test_precomputed_reader.py -- 'data.precomputed.xǁ_RecycledMemoryǁ*'
 #
 # Prints the counts per status (killed, survived, timeout, ...), the score, and the diff of every survivor.
 # Environment: JOBS (parallel mutants, default 1), KEEP=1 keeps the copy (its path is printed) for `mutmut show`.
