@@ -36,6 +36,7 @@ class NullCaption:
             raise ValueError(f"NullCaption: expects embeds (1, L, D) and mask (1, L), got {tuple(embeds.shape)} and "
                              f"{tuple(mask.shape)}")
         self.embeds, self.mask = embeds.detach(), mask
+        self._attended = mask[0].nonzero().flatten()  # the positions of the real tokens ("" is one: </s>)
         self.allow_empty_captions = allow_empty_captions
 
     @classmethod
@@ -127,12 +128,13 @@ class NullCaption:
             return
         null_embeds, null_mask = self._fit((embeds, mask))
         same_mask = (mask == null_mask).all(dim=1)
-        # Only the attended tokens: the padding's states change with the length "" was encoded at (and the
-        # transformer never reads them). The same tokens give the same states up to the rounding of another batch
-        # size or a half-precision encoder.
-        padding = ~null_mask.bool()[:, :, None]
-        gap = (embeds - null_embeds).abs().masked_fill(padding, 0).flatten(1).amax(dim=1)
-        close = gap <= 0.05 * null_embeds.abs().masked_fill(padding, 0).amax() + 1e-6
+        # Only the tokens the null caption attends to: the padding's states change with the length "" was encoded
+        # at, and the transformer never reads them. The same tokens give the same states up to the rounding of
+        # another batch size or a half-precision encoder. A caption's first tokens are never all zeros.
+        if self._attended.numel():
+            attended = self._attended.to(embeds.device)
+            embeds, null_embeds = embeds.index_select(1, attended), null_embeds.index_select(1, attended)
+        close = (embeds - null_embeds).abs().flatten(1).amax(dim=1) <= 0.05 * null_embeds.abs().amax() + 1e-6
         rows = (same_mask & close) | (embeds == 0).flatten(1).all(dim=1)
         if bool(rows.any()):
             raise ValueError(f"NullCaption: caption rows {rows.nonzero().flatten().tolist()} already are the null "
