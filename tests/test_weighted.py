@@ -49,8 +49,23 @@ def test_draws_average_the_target_within_the_bound_of_the_epoch_count():
     frac = e - np.floor(e)
     bound = 5 * np.sqrt(frac * (1 - frac) / epochs) + 2 / UNIT
     assert np.all(np.abs(mean - e) <= bound), np.max(np.abs(mean - e) / bound)
-    # and the draws spread: which samples round up changes from epoch to epoch
-    assert len({tuple(order.epoch_counts(k)) for k in range(10)}) == 10
+
+
+def test_which_samples_round_up_is_chosen_afresh_every_epoch():
+    """40 samples of expected draws 0.5 in epochs of 20: each epoch draws 20 of them once, those at every other place
+    of π_e's order (which ones: u_e). π_e reorders the samples every epoch, so which 20 is a fresh choice each epoch,
+    and two given samples are drawn together in a share (20 / 40) * (19 / 39) of the epochs. Were the order kept and
+    only u_e changed, each pair would be drawn together in about half the epochs (same parity) or never."""
+    order = order_for(np.full(40, 0.5), 20, seed=5)
+    epochs = 300
+    drawn = np.stack([order.epoch_counts(k) for k in range(epochs)]).astype(float)  # (epochs, 40) of 0 or 1
+    assert np.all(drawn.sum(axis=1) == 20)
+    together = drawn.T @ drawn / epochs
+    pairs = together[~np.eye(40, dtype=bool)]
+    p = 20 / 40 * 19 / 39
+    # a binomial share over 300 epochs: 5 standard deviations (0.12) for each of the 780 pairs, while a kept order is
+    # off by 0.24 or more on every pair
+    assert np.abs(pairs - p).max() <= 5 * np.sqrt(p * (1 - p) / epochs)
 
 
 def test_the_stream_is_a_pure_function_of_seed_and_position():
@@ -124,11 +139,17 @@ def test_weighted_buckets_draw_each_buckets_share_in_single_bucket_batches():
     # within a bucket, the draws follow the units (the remainder of each bucket's epoch is dropped)
     for b in range(3):
         members = ids == b
-        expected = units[members] / units[members].sum() * 50 * (sampler.bucket_batches[b] * 3)
-        # per epoch a sample's draws vary by its rounding (variance <= 1/4) and by how many of them fall in the
-        # bucket's dropped remainder (at most `dropped` draws): 5 standard deviations over 50 epochs
-        dropped = sampler.draws_per_bucket[b] % 3
-        assert np.abs(seen[members] - expected).max() <= 5 * np.sqrt(50 * (0.25 + dropped))
+        draws = sampler.draws_per_bucket[b]
+        e = units[members] / units[members].sum() * draws  # expected draws in the bucket's own order
+        kept = (draws - draws % 3) / draws  # the share of the bucket's epoch that full batches keep
+        expected = 50 * e * kept
+        # Per epoch a sample is drawn c = floor or ceil of e times (variance f(1 - f), f = frac(e)); the epoch's
+        # last draws % 3 positions are dropped, and the positions are a permutation of the draw slots, so the draws
+        # of c it loses are hypergeometric: variance <= E[c] * r * draws / (draws - 1), r = 1 - kept. The epochs
+        # are drawn independently: 5 standard deviations of the sum over 50 epochs (a bound on each of 90 samples).
+        f = e - np.floor(e)
+        var = f * (1 - f) + e * (1 - kept) * draws / (draws - 1)
+        assert np.all(np.abs(seen[members] - expected) <= 5 * np.sqrt(50 * var) + 1e-3)
 
 
 @pytest.mark.parametrize("saved,now", [(1, 2), (2, 1), (2, 3)])
