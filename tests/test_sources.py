@@ -1,8 +1,10 @@
 """data.sources and data.balance: several shard sets with shares, concept weights from the captions, the stored
 draw plan, the loader that draws it, and the one-line refusals."""
 
+import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -10,13 +12,15 @@ from accelerate import Accelerator
 
 from data.balance import BalanceSettings, balance_factors, build_concept_table, caption_entries, entry_counts
 from data.concepts import default_extractor
-from data.draw_plan import describe_plan, load_plan, plan_draws
-from data.index import load_or_build_index
-from data.sources import SourceConfig, SourceMix, check_same_kind, resolve_sources
+from data.concepts.vocab import VocabExtractor
+from data.draw_plan import describe_plan, load_plan, plan_draws, plan_fingerprint
+from data.index import ShardIndex, load_or_build_index
+from data.sources import Source, SourceConfig, SourceMix, check_same_kind, resolve_sources
 from data.synthetic import write_synthetic_shards
 from data.weighted import WeightedOrder
 from imba.training.config import ConfigError, load_config
 from imba.training.inputs import make_loader, training_sources
+from imba.training.resume import StreamPosition
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +122,18 @@ def test_the_plan_keeps_the_shares_balances_within_them_and_is_reused_while_its_
     root, big, small = two_sets
     index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7, name="big"),
                          SourceConfig(str(root / "small"), share=0.3, name="small")])
-    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path)
+    captions = ["a red circle"] * 80 + ["a cyan ring"] * 10 + ["a red circle"] * 10 + ["a cyan ring"] * 20
+    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=lambda: iter(captions))
     e = plan.expected
     assert e[:90].sum() == pytest.approx(84, abs=1e-5) and e[90:].sum() == pytest.approx(36, abs=1e-5)
-    assert e.max() / e.min() > 3  # balanced within the sources
+    # By hand: the sources' rates are 84 / 90 and 36 / 30, so each of red, circle, red:circle counts
+    # 80 * 84/90 + 10 * 36/30 = 260/3 and each cyan ring entry 10 * 84/90 + 20 * 36/30 = 100/3; alpha = 1 gives a
+    # cyan ring the factor 2.6 against the head's 1. Big: 84 draws over 80 + 10 * 2.6 = 106 factor units; small: 36
+    # draws over 10 + 20 * 2.6 = 62.
+    assert e[:80] == pytest.approx(np.full(80, 84 / 106), abs=1e-5)
+    assert e[80:90] == pytest.approx(np.full(10, 84 * 2.6 / 106), abs=1e-5)
+    assert e[90:100] == pytest.approx(np.full(10, 36 / 62), abs=1e-5)
+    assert e[100:] == pytest.approx(np.full(20, 36 * 2.6 / 62), abs=1e-5)
     r = plan.report
     assert r["largest_repeat"]["draws_per_epoch"] == pytest.approx(e.max())
     assert r["distinct_share"] == pytest.approx(np.minimum(e, 1).sum() / 120)
@@ -135,8 +147,115 @@ def test_the_plan_keeps_the_shares_balances_within_them_and_is_reused_while_its_
 
     again = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=unread)
     assert np.array_equal(again.units, plan.units)
-    other = plan_draws(index, mix, BalanceSettings("temperature", alpha=0.5), tmp_path)  # settings changed
+    other = plan_draws(index, mix, BalanceSettings("temperature", alpha=0.5), tmp_path,
+                       captions=lambda: iter(captions))  # settings changed
     assert not np.array_equal(other.units, plan.units) and load_plan(tmp_path).report["balance"]["alpha"] == 0.5
+
+
+def test_balance_counts_each_sample_at_its_sources_rate(tmp_path):
+    """A source drawn 10 times per epoch and one drawn once (5 samples each). The tenfold source shows 2 red
+    circles and 3 blue squares, the other 5 red circles: at the natural rates the stream shows each red circle
+    entry (red, circle, red:circle) 2 * 10 + 5 = 25 times and each blue square entry 3 * 10 = 30 times, so within
+    the tenfold source the red circles are the rarer ones."""
+    sources = [Source("tenfold", ["/shards/tenfold-0.tar"], repeat=10.0), Source("once", ["/shards/once-0.tar"])]
+    index = ShardIndex([{"url": "/shards/tenfold-0.tar", "nsamples": 5}, {"url": "/shards/once-0.tar", "nsamples": 5}])
+    mix = SourceMix(sources, index.nsamples)
+    assert mix.samples_per_epoch == 55 and list(mix.draws) == pytest.approx([50, 5])
+    captions = ["a red circle"] * 2 + ["a blue square"] * 3 + ["a red circle"] * 5
+
+    def plan(settings, folder):
+        return plan_draws(index, mix, settings, tmp_path / folder, captions=lambda: iter(captions))
+
+    # temperature, alpha = 1: factor = head / c_min = 30 / 25 for a red circle, 1 for a blue square; the tenfold
+    # source's 50 draws go over 2 * 1.2 + 3 * 1 = 5.4 factor units, the other source's 5 over its 5 equal samples
+    temperature = plan(BalanceSettings("temperature", alpha=1.0), "temperature")
+    assert temperature.expected == pytest.approx([50 * 1.2 / 5.4] * 2 + [50 / 5.4] * 3 + [1.0] * 5, abs=1e-5)
+    natural = {row[0]: row[1:] for row in temperature.report["concepts"]}
+    assert natural["circle"] == pytest.approx([25, 2 * 50 * 1.2 / 5.4 + 5], abs=1e-4)
+    assert natural["square"] == pytest.approx([30, 3 * 50 / 5.4], abs=1e-4)
+    # cap, t = 20: p_e = min(1, 20 / c_e) over each sample's three entries, factor = 1 - prod(1 - p_e)
+    red, blue = 1 - (1 - 20 / 25) ** 3, 1 - (1 - 20 / 30) ** 3
+    cap = plan(BalanceSettings("cap", cap=20), "cap")
+    units = 2 * red + 3 * blue
+    assert cap.expected == pytest.approx([50 * red / units] * 2 + [50 * blue / units] * 3 + [1.0] * 5, abs=1e-5)
+
+
+# what each data.balance field is read under: two settings that differ in that field alone and draw differently
+BALANCE_CHANGES = {
+    "method": [(dict(method="none"), dict(method="temperature")),
+               (dict(method="temperature", cap=5), dict(method="cap", cap=5))],
+    "alpha": [(dict(method="temperature", alpha=0.5), dict(method="temperature", alpha=1.0))],
+    "cap": [(dict(method="cap", cap=5), dict(method="cap", cap=10))],
+}
+
+
+def test_the_fingerprint_test_varies_every_balance_setting():
+    # a field added to BalanceSettings must be given its pair above, so that the next test sees whether it counts
+    assert set(BALANCE_CHANGES) == {f.name for f in dataclasses.fields(BalanceSettings)}
+
+
+class Described:
+    """The default extractor under another description (the plan's vocabulary as `describe()` tells it)."""
+
+    def __init__(self, description):
+        self.description = description
+
+    def __call__(self, caption):
+        return default_extractor()(caption)
+
+    def describe(self):
+        return self.description
+
+
+def test_every_setting_that_decides_the_plan_changes_its_fingerprint(two_sets, tmp_path):
+    """The fingerprint covers the shards (paths, sizes, times), the sources' weights, the epoch size, the balance
+    settings and the extractor: two plans that differ in one of them, the rest as the baseline, are not mixed up."""
+    root, big, small = two_sets
+    copy = tmp_path / "copy" / os.path.basename(small[0])
+    copy.parent.mkdir()
+    shutil.copy(small[0], copy)
+    shares = ({"share": 0.7}, {"share": 0.3})
+
+    def fingerprint(shards=str(root / "small"), weights=shares, epoch=0, balance=BalanceSettings("temperature"),
+                    extractor=None, mtime_ns=None, padding=0):
+        if padding:  # another size, same samples: zero blocks after the tar's end
+            with open(copy, "ab") as f:
+                f.write(b"\0" * padding)
+        if mtime_ns is not None:
+            os.utime(copy, ns=(mtime_ns, mtime_ns))
+        index, mix = mix_of([SourceConfig(str(root / "big"), **weights[0]), SourceConfig(shards, **weights[1])],
+                            epoch)
+        return plan_fingerprint(index, mix, balance, extractor)
+
+    t = 1_700_000_000 * 10**9
+    changes = {  # setting: the keyword pairs of two plans that differ in it alone
+        "shard path": [(dict(), dict(shards=str(copy), mtime_ns=os.stat(small[0]).st_mtime_ns))],
+        "shard time": [(dict(shards=str(copy), mtime_ns=t), dict(shards=str(copy), mtime_ns=t + 10**9))],
+        "shard size": [(dict(shards=str(copy), mtime_ns=t), dict(shards=str(copy), mtime_ns=t, padding=512))],
+        "share": [(dict(), dict(weights=({"share": 0.6}, {"share": 0.4})))],
+        # with the epoch size fixed, so that only the sources' draws differ
+        "repeat": [(dict(weights=({"repeat": 1}, {"repeat": 3}), epoch=120),
+                    dict(weights=({"repeat": 1}, {"repeat": 2}), epoch=120))],
+        "choose": [(dict(weights=({"choose": 50}, {"choose": 20}), epoch=120),
+                    dict(weights=({"choose": 50}, {"choose": 30}), epoch=120))],
+        "epoch_samples": [(dict(), dict(epoch=200))],
+        **{f"balance {field}": [(dict(balance=BalanceSettings(**a)), dict(balance=BalanceSettings(**b)))
+                                for a, b in pairs] for field, pairs in BALANCE_CHANGES.items()},
+    }
+    described = default_extractor().describe()
+    for key, value in described.items():
+        changes[f"extractor {key}"] = [(dict(extractor=Described(described)),
+                                        dict(extractor=Described({**described, key: f"other {value}"})))]
+    # the rule that reads a caption's entries is the extractor's: a plan made under another rule is not reused
+    other_rule = type("OtherRule", (VocabExtractor,), {"rule": "concepts-once-each"})(default_extractor().vocabulary)
+    changes["extractor rule"] = [(dict(extractor=default_extractor()), dict(extractor=other_rule))]
+    unchanged = []
+    for setting, pairs in changes.items():
+        for a, b in pairs:
+            if fingerprint(**a) == fingerprint(**b):
+                unchanged.append(setting)
+    assert not unchanged, f"the plan's fingerprint ignores {unchanged}"
+    assert fingerprint() == fingerprint()  # and it is a function of the settings
 
 
 def test_drawn_shares_match_the_plan_within_the_bound_of_the_sample_count(two_sets, tmp_path):
@@ -167,7 +286,9 @@ def loader_keys(cfg, sources, step, saved_world, rank, world, batches):
     accelerator = Accelerator(cpu=True)
     accelerator.state.process_index, accelerator.state.num_processes = rank, world  # this rank's view of the run
     try:
-        loader = make_loader(cfg, accelerator, sources, step, saved_world, None, bucket_divisor=16)
+        # `step` steps of `saved_world` processes
+        position = StreamPosition(step, step * cfg.train.grad_accum * saved_world * cfg.data.batch_size)
+        loader = make_loader(cfg, accelerator, sources, position, None, bucket_divisor=16)
         it = iter(loader)
         return [key for _ in range(batches) for key in next(it)["keys"]]
     finally:
@@ -250,18 +371,69 @@ def test_sources_that_cannot_be_read_as_one_are_refused_in_one_line(two_sets, tm
         SourceMix(resolve_sources([SourceConfig(big[0]), SourceConfig(str(empty))]), [40, 0])
 
 
-def test_image_shards_mixed_with_precomputed_ones_are_refused(two_sets, tmp_path):
+PRECOMPUTE = dict(resolution=32, vae="tiny", text_encoder="tiny-words", max_text_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def precomputed(two_sets, tmp_path_factory):
+    """The small set precomputed with PRECOMPUTE: its output folder."""
+    from data.precompute import PrecomputeSettings, precompute_shards
+
+    out = tmp_path_factory.mktemp("precomputed") / "small"
+    precompute_shards(two_sets[2], out, PrecomputeSettings(**PRECOMPUTE))
+    return out
+
+
+def test_image_shards_mixed_with_precomputed_ones_are_refused(two_sets, precomputed, tmp_path):
     from data.precompute import PrecomputeSettings, precompute_shards
 
     root, big, small = two_sets
-    settings = dict(resolution=32, vae="tiny", text_encoder="tiny-words", max_text_tokens=12)
-    precompute_shards(small, tmp_path / "a", PrecomputeSettings(**settings))
-    precompute_shards(small, tmp_path / "b", PrecomputeSettings(**{**settings, "max_text_tokens": 10}))
+    precompute_shards(small, tmp_path / "b", PrecomputeSettings(**{**PRECOMPUTE, "max_text_tokens": 10}))
     with pytest.raises(ValueError, match="source0 hold precomputed features, source1 image shards"):
-        check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a")), SourceConfig(str(root / "big"))]))
+        check_same_kind(resolve_sources([SourceConfig(str(precomputed)), SourceConfig(str(root / "big"))]))
     with pytest.raises(ValueError, match=r"source1's features were made with other settings .*max_text_tokens=10"):
-        check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a")), SourceConfig(str(tmp_path / "b"))]))
-    assert check_same_kind(resolve_sources([SourceConfig(str(tmp_path / "a"))]))["max_text_tokens"] == 12
+        check_same_kind(resolve_sources([SourceConfig(str(precomputed)), SourceConfig(str(tmp_path / "b"))]))
+    assert check_same_kind(resolve_sources([SourceConfig(str(precomputed))]))["max_text_tokens"] == 12
+
+
+# How a precomputed sample reads, as its manifest records it: a value other than PRECOMPUTE's for each. The
+# derived latent_channels, latent_size and vae_downsample are parts of latent_shape and resolution.
+FEATURE_SETTINGS = {
+    "resolution": 64, "vae": "stabilityai/sd-vae-ft-ema", "vae_subfolder": "vae", "text_encoder": "google/t5-v1_1-xxl",
+    "text_encoder_subfolder": "text_encoder", "tokenizer_subfolder": "tokenizer", "encoder_dtype": "bfloat16",
+    "max_text_tokens": 120, "text_dtype": "bfloat16", "latent_shape": [2, 16, 4, 4], "vae_scaling_factor": 0.3611,
+    "text_hidden_size": 4096,
+}
+# which samples were encoded, not how they read: sources may differ in them
+SAMPLE_CHOICES = {"caption_field": "alt_text", "min_size": 256}
+
+
+def test_precomputed_sources_that_read_differently_are_refused(precomputed, tmp_path):
+    from data.precompute import PrecomputeSettings
+    from data.precomputed import MANIFEST_NAME, format_version
+
+    # a setting added to the precompute must be classified above
+    fields = {f.name for f in dataclasses.fields(PrecomputeSettings)}
+    assert fields <= set(FEATURE_SETTINGS) | set(SAMPLE_CHOICES) and not set(FEATURE_SETTINGS) & set(SAMPLE_CHOICES)
+    manifest = json.loads((precomputed / MANIFEST_NAME).read_text())
+    assert {k: manifest[k] for k in PRECOMPUTE} == PRECOMPUTE
+
+    def other(key, value):
+        """A copy of the precompute whose manifest records `value` for `key`."""
+        folder = tmp_path / key
+        shutil.copytree(precomputed, folder, ignore=shutil.ignore_patterns("imba-index-*"))
+        changed = {**manifest, key: value}
+        if key in changed["settings"]:
+            changed["settings"] = {**changed["settings"], key: value}
+        changed["version"] = format_version(changed["text_dtype"])
+        (folder / MANIFEST_NAME).write_text(json.dumps(changed))
+        return resolve_sources([SourceConfig(str(precomputed)), SourceConfig(str(folder))])
+
+    for key, value in FEATURE_SETTINGS.items():
+        with pytest.raises(ValueError, match=rf"source1's features were made with other settings .*\b{key}="):
+            check_same_kind(other(key, value))
+    for key, value in SAMPLE_CHOICES.items():
+        assert check_same_kind(other(key, value))["__path__"] == str(precomputed / MANIFEST_NAME)
 
 
 def test_weights_computed_in_blocks_of_rows_equal_the_whole(monkeypatch):
