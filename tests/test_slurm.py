@@ -6,6 +6,8 @@ SLURM makes a requeued job eligible again only two minutes after the requeue (Re
 at once with `scontrol update JobId=N StartTime=now`, as a user could, after checking that hold.
 """
 
+import json
+import math
 import os
 import re
 import socket
@@ -24,12 +26,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason
 
 # The training must outlast the two time-limited runs, or the job completes before it is pre-empted twice. Each run
 # trains until SLURM's warning signal, which its controller sends on a periodic check (every 30 s), so up to ~45 s
-# after the start; this configuration trains ~40 steps/s with 2 processes on an idle 2-core machine (slower under
-# load), so two runs train at most ~3,600 steps. 5,000 leaves a margin, and the uninterrupted reference takes ~2 min.
-MAX_STEPS = 5000
+# after the start. Machines differ by 4x in speed (9 to 40 steps/s with 2 processes), so the step count is sized
+# from a short run of the same configuration: 1.5x the steps two 45-second runs could train.
 TRAIN = ["data.resolution=32", "data.batch_size=2", "data.synthetic_samples=24", "train.save_every=0",
          "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "train.trackers=none",
-         "train.log_every=20", f"train.max_steps={MAX_STEPS}"]
+         "train.log_every=20"]
+GLOBAL_BATCH = 4  # 2 processes x data.batch_size
 
 
 def job_env(extra: dict) -> dict:
@@ -62,12 +64,24 @@ def cluster(tmp_path_factory):
     cluster.__exit__(None, None, None)
 
 
+def node_launch(tmp_path, name: str, max_steps: int) -> subprocess.CompletedProcess:
+    """The training started by node_launch.sh directly, never interrupted."""
+    return subprocess.run(["bash", "launch/slurm/node_launch.sh", *TRAIN, f"train.max_steps={max_steps}",
+                           f"train.output_dir={tmp_path / name}"], cwd=REPO, env=job_env({"PORT": str(free_port())}),
+                          capture_output=True, text=True, timeout=900)
+
+
+def steps_for_two_runs(tmp_path) -> int:
+    calibration = node_launch(tmp_path, "calibration", 100)
+    assert calibration.returncode == 0, calibration.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "calibration" / "metrics.jsonl").read_text().splitlines()]
+    steps_per_s = max(row["images_per_s"] for row in rows) / GLOBAL_BATCH
+    return max(300, math.ceil(1.5 * steps_per_s * 2 * 45 / 100) * 100)
+
+
 def test_a_preempted_job_requeues_itself_resumes_and_completes_with_the_uninterrupted_weights(cluster, tmp_path):
-    # the reference: the same training started by node_launch.sh directly, never interrupted
-    reference = subprocess.run(["bash", "launch/slurm/node_launch.sh", *TRAIN,
-                                f"train.output_dir={tmp_path / 'reference'}"], cwd=REPO,
-                               env=job_env({"PORT": str(free_port())}),
-                               capture_output=True, text=True, timeout=600)
+    max_steps = steps_for_two_runs(tmp_path)
+    reference = node_launch(tmp_path, "reference", max_steps)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = final_digest(reference.stdout)
 
@@ -75,7 +89,7 @@ def test_a_preempted_job_requeues_itself_resumes_and_completes_with_the_uninterr
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--gres=none", f"--cpus-per-task={os.cpu_count()}", "--mem=0",
          "--time=00:01:00", "--signal=B:USR1@50", f"--output={log}", "launch/slurm/train_single_node.sbatch", *TRAIN,
-         f"train.output_dir={tmp_path / 'run'}"],
+         f"train.max_steps={max_steps}", f"train.output_dir={tmp_path / 'run'}"],
         cwd=REPO, env=job_env(cluster.env), capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
@@ -102,7 +116,7 @@ def test_a_preempted_job_requeues_itself_resumes_and_completes_with_the_uninterr
                     lifted = True
                 cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
         if lifted and not cancelled and state == "RUNNING" and output.count("resumed from") == 2:
-            steps = re.findall(r"(\d+)/%d \[" % MAX_STEPS, output.rsplit("resumed from", 1)[1])
+            steps = re.findall(r"(\d+)/%d \[" % max_steps, output.rsplit("resumed from", 1)[1])
             if len(steps) > 3:  # training again, after the second resume
                 cluster.run("scancel", "--signal=USR1", "--batch", job)
                 cancelled = True
@@ -114,9 +128,9 @@ def test_a_preempted_job_requeues_itself_resumes_and_completes_with_the_uninterr
     preempted = [int(s) for s in re.findall(r"pre-empted: checkpoint at step (\d+) saved", output)]
     resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", output)]
     # time limit, time limit, scancel; a job that finished first trained too few steps for this machine's speed
-    assert len(preempted) == 3 and cancelled, (f"pre-empted at steps {preempted} of {MAX_STEPS}", output[-4000:])
-    assert resumed == preempted and preempted == sorted(preempted) and preempted[-1] < MAX_STEPS
-    assert output.count("requeueing job") == 3 and f"done: step {MAX_STEPS}" in output
+    assert len(preempted) == 3 and cancelled, (f"pre-empted at steps {preempted} of {max_steps}", output[-4000:])
+    assert resumed == preempted and preempted == sorted(preempted) and preempted[-1] < max_steps
+    assert output.count("requeueing job") == 3 and f"done: step {max_steps}" in output
     assert final_digest(output) == expected
     # SLURM 22.05 holds a requeued job for 2 minutes (launch/README.md)
     assert len(held) == 3 and all(90 < seconds <= 121 for seconds in held), held

@@ -1,7 +1,8 @@
 """Real runs of train.py on two sources with concept balancing (offline, and online by the IMBA distance): killed
-with SIGKILL mid-epoch and resumed, the run ends with the uninterrupted run's parameters; a 2-process run's
-checkpoint continues the same stream on 1 process."""
+with SIGKILL mid-epoch and resumed, the run ends with the uninterrupted run's parameters; a run on 2, then 1 (killed),
+then 2 processes trains on the samples one uninterrupted process draws (data.record_draws)."""
 
+import json
 import os
 import re
 import signal
@@ -65,41 +66,87 @@ def test_a_killed_balanced_mix_resumes_to_the_uninterrupted_parameters(sources, 
         assert int(boosted["2"]) > 0, full
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, *run_args(sources, out, "train.max_steps=6", "train.save_every=3",
-                                                       balance=balance)],
-                            cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = out / "checkpoints" / "latest"
-    try:
-        deadline = time.monotonic() + 300
-        while not (latest.is_file() and latest.read_text().strip() == "step_0000003"):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-3 checkpoint"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    killed = kill_after_checkpoint(run_args(sources, out, "train.max_steps=6", "train.save_every=3", balance=balance),
+                                   tmp_path, out, 3)
+    assert killed == (-signal.SIGKILL, 3)
     assert not (out / "checkpoints" / "step_0000006").exists()  # killed between the two checkpoints
 
     resumed = train(run_args(sources, out, "train.max_steps=6", balance=balance), tmp_path)
-    assert "resumed from" in resumed and "the stream continues after 6 samples (epoch 0.60)" in resumed
+    assert "resumed from" in resumed and "the stream continues after 6 samples (the position the checkpoint recorded), epoch 0.60" in resumed
     assert digests(resumed) == digests(full)
+
+
+def launch(args, cwd, processes: int) -> str:
+    if processes == 1:
+        return train(args, cwd)
+    proc = subprocess.run([*launch_command("ddp", processes), *args], cwd=cwd,
+                          env=launch_env({"ACCELERATE_USE_CPU": "true"}), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def kill_after_checkpoint(args, cwd, out: Path, step: int) -> tuple[int, int]:
+    """Run train.py with `args` on one process and SIGKILL it once a checkpoint at `step` or later is complete: its
+    exit code and the step of the checkpoint it was killed after (later than `step` where the run outpaced the poll
+    on a loaded machine)."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    latest, reached = out / "checkpoints" / "latest", 0
+    try:
+        deadline = time.monotonic() + 300
+        while reached < step:
+            assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before step {step}"
+            time.sleep(0.02)
+            name = latest.read_text().strip() if latest.is_file() else ""
+            reached = int(name.removeprefix("step_")) if name.startswith("step_") else 0
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    return proc.returncode, reached
+
+
+def global_stream(out: Path, processes: int) -> list[int]:
+    """data.record_draws's rows of every rank, as positions of the global stream: per step, per micro-batch, the
+    ranks in order."""
+    rows = {}
+    for rank in range(processes):
+        lines = (out / "draws" / f"rank_{rank}.jsonl").read_text().splitlines()
+        rows[rank] = [json.loads(line) for line in lines]
+    steps = sorted({row["step"] for rank_rows in rows.values() for row in rank_rows})
+    stream = []
+    for step in steps:
+        per_rank = [[row["indices"] for row in rows[r] if row["step"] == step] for r in rows]
+        if not all(per_rank):  # a step of fewer processes: the ranks beyond them have no rows for it
+            per_rank = [b for b in per_rank if b]
+        for micro in zip(*per_rank):
+            stream += [i for batch in micro for i in batch]
+    return stream
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("balance", [OFFLINE, ONLINE], ids=["temperature", "imba"])
-def test_a_two_process_checkpoint_continues_the_stream_on_one_process(sources, tmp_path, balance):
-    # imba: the windows are summed over the two ranks (int64 over gloo) at every refresh and before the checkpoint
-    out = tmp_path / "run"
-    cmd = [*launch_command("ddp"), *run_args(sources, out, "train.max_steps=3", balance=balance)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env({"ACCELERATE_USE_CPU": "true"}), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = proc.stdout + proc.stderr
+def test_two_then_one_then_two_processes_with_a_kill_train_on_the_stream_of_one_uninterrupted_process(
+        sources, tmp_path, balance):
+    # 3 steps of 2 processes (12 samples), k - 3 of 1 (killed after its step-k checkpoint, k = 5 unless the run
+    # outpaced the poll: the rows of the steps it trained after it are dropped on resume), 2 of 2 (8): the samples of
+    # the first steps of one uninterrupted process
+    out, record = tmp_path / "run", "data.record_draws=true"
+    two = launch(run_args(sources, out, "train.max_steps=3", record, balance=balance), tmp_path, 2)
     assert "world size 2" in two
     ranks = digests(two)
-    assert set(ranks) == {0, 1} and ranks[0] == ranks[1]  # both ranks drew from the same stored plan
-    one = train(run_args(sources, out, "train.max_steps=5", balance=balance), tmp_path)
-    assert "resuming a 2-process checkpoint on 1 processes" in one
-    # 3 steps x 2 processes x 2 samples: the single process draws the 13th sample of the stream next
-    assert "the stream continues after 12 samples (epoch 1.20)" in one
-    assert re.search(r"done: step 5", one)
+    assert set(ranks) == {0, 1} and ranks[0] == ranks[1]
+    one = run_args(sources, out, "train.max_steps=40", "train.save_every=5", record, balance=balance)
+    killed, k = kill_after_checkpoint(one, tmp_path, out, 5)
+    assert killed == -signal.SIGKILL
+    again = launch(run_args(sources, out, f"train.max_steps={k + 2}", record, balance=balance), tmp_path, 2)
+    # the old count, step x processes of the last checkpoint x batch, would say k x 1 x 2 (10 for k = 5, not 16)
+    position = 12 + (k - 3) * 2
+    assert (f"data: the stream continues after {position} samples (the position the checkpoint recorded), "
+            f"epoch {position / 10:.2f}") in again
+    assert "the global batch changes from 2 to 4 samples per step" in again
+    resumed = global_stream(out, 2)
+    assert len(resumed) == position + 8
+    if balance == OFFLINE:  # a fixed plan: the stream is a pure function of the position
+        full = tmp_path / "full"
+        train(run_args(sources, full, f"train.max_steps={(position + 8) // 2}", record, balance=balance), tmp_path)
+        assert resumed == global_stream(full, 1)  # nothing replayed, nothing skipped
