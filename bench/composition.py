@@ -1147,7 +1147,24 @@ def judge_reports(paths: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_plan(args):
+    """What a command line runs: (variants, worlds, scenes, seeds, lengths, per_pair), each the one given or the
+    default of its mode (the benchmark, `--quick`, `--levers`, `--levers --quick`)."""
+    variants = args.variants or (LEVER_VARIANTS if args.levers else QUICK_VARIANTS if args.quick
+                                 else DEFAULT_VARIANTS)
+    if "all" in variants:
+        variants = list(VARIANTS)
+    worlds = args.worlds or (["concept_tail"] if args.levers else list(WORLDS))
+    scenes = args.scenes or ("online" if args.levers else "fixed")
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2] if args.levers else DEFAULT_SEEDS)
+    lengths = sorted(args.steps or ([400] if args.quick and args.levers else QUICK_STEPS if args.quick
+                                    else [1000] if args.levers else DEFAULT_STEPS))
+    per_pair = args.per_pair or (4 if args.quick and args.levers else 8 if args.quick else 16 if args.levers
+                                 else DEFAULT_PER_PAIR)
+    return variants, worlds, scenes, seeds, lengths, per_pair
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"1 seed, both worlds, {' '.join(QUICK_VARIANTS)}, {QUICK_STEPS[0]} steps, 8 samples "
@@ -1197,21 +1214,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="parallel training processes (one thread each)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "composition_results")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.diagnose:
         return diagnose_saved_model(args.diagnose, args.out)
-    variants = args.variants or (LEVER_VARIANTS if args.levers else QUICK_VARIANTS if args.quick
-                                 else DEFAULT_VARIANTS)
-    if "all" in variants:
-        variants = list(VARIANTS)
-    worlds = args.worlds or (["concept_tail"] if args.levers else list(WORLDS))
-    scenes = args.scenes or ("online" if args.levers else "fixed")
-    seeds = args.seeds or ([0] if args.quick else [0, 1, 2] if args.levers else DEFAULT_SEEDS)
-    lengths = sorted(args.steps or ([400] if args.quick and args.levers else QUICK_STEPS if args.quick
-                                    else [1000] if args.levers else DEFAULT_STEPS))
+    variants, worlds, scenes, seeds, lengths, per_pair = run_plan(args)
     equal_compute = not args.no_equal_compute
-    per_pair = args.per_pair or (4 if args.quick and args.levers else 8 if args.quick else 16 if args.levers
-                                 else DEFAULT_PER_PAIR)
     factors = tuple(sorted({relative_cost(v, args.batch_size) for v in variants} - {1.0}))
     batch_time = [v for v in variants if VARIANTS[v].get("bursty")]
     if scenes == "fixed" and batch_time:

@@ -20,8 +20,7 @@ if str(REPO) not in sys.path:  # train.py is a script at the top level, not a pa
 
 # Tests that run for minutes, longest first. They start first, so that in a parallel run (`pytest -n 2`) no worker
 # is left alone with one of them at the end while the other idles.
-LONGEST = ("test_default_run.py", "test_slurm.py", "test_composition.py::test_the_quick_benchmark",
-           "test_composition.py::test_the_quick_levers")
+LONGEST = ("test_default_run.py", "test_slurm.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -21,7 +21,7 @@ def test_the_default_run_draws_the_prompted_colours_and_shapes(tmp_path):
 
     out = tmp_path / "tiny"
     done = subprocess.run([sys.executable, str(REPO / "train.py"), f"train.output_dir={out}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=3000)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "samples" / "step_0002500.png").is_file()
 
