@@ -193,3 +193,35 @@ def test_a_two_rank_checkpoint_continues_the_uninterrupted_run_on_any_number_of_
     # the saved window is carried on once, by one rank: summed over the ranks it is the saved one, not a multiple
     assert same(summed(loaded for loaded, _ in resumed), state["balance"]["window"])
     assert_same_run([run for _, run in resumed], single, first=SAVE)
+
+
+@pytest.mark.parametrize("every, lag, fraction", [(0, 1, 0.5), (1, 0, 0.5), (1, 1, 0.0), (1, 1, 1.01), (-2, -2, 2)])
+def test_a_refresh_interval_or_lag_below_one_or_a_fraction_outside_0_1_is_refused(table, every, lag, fraction):
+    base = expected_draws_to_units(np.ones(len(table)), len(table))
+    with pytest.raises(ValueError, match="need every >= 1, lag >= 1 and 0 < fraction <= 1"):
+        OnlineBalancer(OnlineBalance(table), base, np.array([0, len(table)]), len(table), 7, every=every,
+                       fraction=fraction, lag=lag, patch_size=2, num_train_timesteps=1000)
+    OnlineBalancer(OnlineBalance(table), base, np.array([0, len(table)]), len(table), 7, every=1, fraction=1.0,
+                   lag=1, patch_size=2, num_train_timesteps=1000)  # the bounds themselves are allowed
+
+
+@pytest.mark.parametrize("step", [0, 7, 9])
+def test_a_run_restarting_between_refreshes_decides_the_stream_up_to_the_next_refresh_plus_the_lag(table, step):
+    b = balancer(table, 0)  # every 3 steps, lag 2
+    b.begin(step, 1000, ROWS)
+    following = step - step % EVERY + EVERY  # 3, 9, 12
+    assert b.position(following + LAG) == 1000 + (following + LAG - step) * ROWS
+    assert b.order.known_until == b.position(following + LAG)
+    b.order.samples([b.order.known_until - 1])
+    with pytest.raises(RuntimeError, match="past"):
+        b.order.samples([b.order.known_until])
+
+
+def test_the_balancers_stream_follows_its_seed(table):
+    base = expected_draws_to_units(np.ones(len(table)), len(table))
+    draws = {seed: OnlineBalancer(OnlineBalance(table), base, np.array([0, len(table)]), len(table), seed, every=3,
+                                  fraction=1.0, lag=2, patch_size=2, num_train_timesteps=1000).order.samples(range(60))
+             for seed in (0, 7)}
+    again = OnlineBalancer(OnlineBalance(table), base, np.array([0, len(table)]), len(table), 7, every=3,
+                           fraction=1.0, lag=2, patch_size=2, num_train_timesteps=1000).order.samples(range(60))
+    assert not np.array_equal(draws[0], draws[7]) and np.array_equal(draws[7], again)
