@@ -25,7 +25,7 @@ from imba.monitor import BucketMonitor
 from imba.objectives import build_objective
 from imba.training.build import build_dit, build_optimizer, build_training_loss, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register, register_state, save_checkpoint
-from imba.training.config import ConfigError, dump_config, flat_dict, load_config, save_config
+from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
@@ -230,6 +230,9 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     try:
+        if {"-h", "--help"} & set(sys.argv[1:]):
+            print(help_text())
+            sys.exit(0)
         if sys.argv[1:2] == ["--export"]:  # python train.py --export CHECKPOINT [EXPORT_DIR]
             if len(sys.argv) not in (3, 4):
                 raise ConfigError("usage: python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]")

@@ -62,6 +62,29 @@ def test_train_py_prints_one_line_and_exits_nonzero_on_a_bad_key():
     assert last == "error: unknown config key 'loss.gama' (did you mean loss.gamma?)"
 
 
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_train_py_help_lists_every_setting_with_its_default_and_rule(flag):
+    import dataclasses
+
+    from imba.training.config import Config
+    proc = subprocess.run([sys.executable, "train.py", "loss.gama=0.5", flag], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)  # --help wins over a mistake beside it
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if " default " in line}
+    defaults = Config()
+    keys = [f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
+            for f in dataclasses.fields(getattr(defaults, section.name))]
+    assert sorted(lines) == sorted(keys)
+    assert proc.stdout.startswith("usage: python train.py [--config FILE]")
+    assert lines["model.text_encoder"].split()[1:] == ["str", "default", "tiny-words"]
+    assert lines["data.batch_size"].endswith("int        default 32, must be >= 1")
+    assert lines["data.balance"].endswith("default none, one of none, temperature, cap, imba")
+    assert lines["data.balance_fraction"].endswith("default 0.125, must be in (0, 1]")
+    assert lines["optim.grad_clip"].endswith("default 1.0, must be >= 0 (0 = no clipping)")
+    assert lines["train.mixed_precision"].split()[1:4] == ["str", "default", "'no',"]
+    assert lines["data.shards"].split()[1:] == ["str", "|", "None", "default", "null"]
+
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = load_config(["--config", str(path)])

@@ -298,10 +298,13 @@ def _default_as_text(key: str) -> str | None:
 
 
 def train_problem(args: tuple[str, ...]) -> str | None:
-    """Why `python train.py ARGS` would stop at start-up, or None. `--export` is train.py's own (its __main__ takes
-    it first, with CHECKPOINT [EXPORT_DIR]; a bare `python train.py --export`, as in a table's command column, names
-    the mode); everything else goes through `load_config`, as in train.py. A placeholder value is replaced by the
-    key's default, so only the key is checked; a placeholder `--config FILE` is left out; a real one must exist."""
+    """Why `python train.py ARGS` would stop at start-up, or None. `--help`/`-h` prints the settings and exits;
+    `--export` is train.py's own (its __main__ takes it first, with CHECKPOINT [EXPORT_DIR]; a bare
+    `python train.py --export`, as in a table's command column, names the mode); everything else goes through
+    `load_config`, as in train.py. A placeholder value is replaced by the key's default, so only the key is
+    checked; a placeholder `--config FILE` is left out; a real one must exist."""
+    if {"-h", "--help"} & set(args):
+        return None  # train.py prints the settings and exits before reading anything else
     if args[:1] == ("--export",):
         return None if len(args) <= 3 else "usage: python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]"
     argv: list[str] = []
@@ -581,7 +584,8 @@ def test_extraction_reads_prompts_env_vars_continuations_comments_and_synopses(t
     ("train.max_steps=many", "config key 'train.max_steps' expects int, got 'many'"),
     ("--config configs/nope.yaml", "--config configs/nope.yaml: no such file"),
     ("--export ckpt out extra", "usage: python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]"),
-    ("loss.gamma=0.5 --export ckpt", "cannot read argument '--export': overrides look like section.key=value"),
+    ("loss.gamma=0.5 --export ckpt", "cannot read argument '--export': overrides look like section.key=value "
+                                     "(python train.py --help lists them)"),
     ("train.output_dir=DIR train.max_steps=<N> model.pretrained=... --config FILE --resume CHECKPOINT", None),
 ])
 def test_train_checker_reports_what_train_py_would_reject(tmp_path, args, problem):

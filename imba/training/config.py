@@ -238,7 +238,8 @@ def _apply(cfg, updates: dict, prefix: str = "") -> None:
 def _parse_override(item: str) -> dict:
     """'a.b.c=value' → {'a': {'b': {'c': parsed value}}}; the value is read as YAML (numbers, bools, lists)."""
     if "=" not in item:
-        raise ConfigError(f"cannot read argument {item!r}: overrides look like section.key=value")
+        raise ConfigError(f"cannot read argument {item!r}: overrides look like section.key=value "
+                          "(python train.py --help lists them)")
     dotted, raw = item.split("=", 1)
     try:
         value = yaml.load(raw, Loader=_Loader) if raw else ""
@@ -367,6 +368,36 @@ def _validate(cfg: Config) -> None:
                 check()
             except ValueError as err:
                 raise ConfigError(str(err)) from err
+
+
+USAGE = """usage: python train.py [--config FILE] [--resume latest|CHECKPOINT] [section.key=value ...]
+       python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]
+
+Precedence: the defaults below < the YAML file < the section.key=value overrides (values read as YAML).
+Each setting with its type, its default, and its allowed values or range; a section's own cross-field checks
+(e.g. data.balance_cap with data.balance=cap) run after these."""
+
+
+def help_text() -> str:
+    """`train.py --help`: the usage, then every setting read from the section dataclasses (type, default, choices
+    or range), so the list cannot drift from what `load_config` accepts."""
+    lines = [USAGE]
+    defaults = Config()
+    for section, kind in _SECTIONS.items():
+        lines.append(f"\n{section}:")
+        hints = typing.get_type_hints(kind)
+        for f in dataclasses.fields(kind):
+            key, hint = f"{section}.{f.name}", hints[f.name]
+            type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+            default = yaml.safe_dump(getattr(getattr(defaults, section), f.name), default_flow_style=True,
+                                     width=10**6).strip().removesuffix("\n...")
+            line = f"  {key:<34} {type_name:<10} default {default}"
+            if key in CHOICES:
+                line += f", one of {', '.join(map(str, CHOICES[key]))}"
+            elif key in RANGES:
+                line += f", must be {RANGES[key]}"
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def to_dict(cfg: Config) -> dict:
