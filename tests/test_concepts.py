@@ -538,3 +538,33 @@ def test_benchmark_leaves_out_pairs_seen_together(tmp_path, capsys):
     with pytest.raises(ValueError, match="no pair counts.*--allow-cooccurring"):
         C.build_benchmark(old, **args)
     assert {frozenset(p["concepts"]) for p in C.build_benchmark(old, allow_cooccurring=True, **args)} == every
+
+
+def test_caption_files_read_each_format_and_count_what_they_skip(tmp_path):
+    from data.concepts.captions import iter_caption_file
+
+    def read(name, text, **kw):
+        path = tmp_path / name
+        path.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+        skipped = Counter()
+        return list(iter_caption_file(str(path), skipped=skipped, **kw)), skipped
+
+    rows = ['"a red ring"', '{"caption": " a blue cross "}', '{"alt": "x", "txt": "y"}', '{"text": ""}', "{oops",
+            "", '{"prompt": "a ring"}']
+    for name in ("c.jsonl", "C.NDJSON"):
+        assert read(name, "\n".join(rows)) == (["a red ring", "a blue cross", "a ring"],
+                                               Counter({"no caption": 2, "bad caption": 1}))
+    # a named field first, then caption, text, prompt
+    assert read("f.jsonl", '{"alt": "mine", "caption": "theirs"}\n{"text": "t"}', caption_field="alt")[0] == [
+        "mine", "t"]
+    items = ["a red ring", {"caption": "a cross"}, {"other": 1}, "  ", {"prompt": "p"}]
+    assert read("l.json", json.dumps(items)) == (["a red ring", "a cross", "p"], Counter({"no caption": 2}))
+    assert read("u.json", json.dumps(["café ü"]))[0] == ["café ü"]  # UTF-8 whatever the locale
+    # plain text: a caption per line, undecodable bytes replaced rather than failing
+    assert read("p.txt", "  a red ring \n\nsecond line\n".encode() + b"bad \xff byte\n")[0] == [
+        "a red ring", "second line", "bad \ufffd byte"]
+    with pytest.raises(ValueError, match=r"b\.json: not a JSON list of captions .*use \.jsonl for one per line"):
+        read("b.json", "[1,")
+    with pytest.raises(ValueError, match=r"d\.json: expected a JSON list of captions or objects, got dict"):
+        read("d.json", '{"caption": "x"}')
+    assert list(iter_caption_file(str(tmp_path / "c.jsonl"))) == ["a red ring", "a blue cross", "a ring"]
