@@ -73,10 +73,17 @@ def test_a_weight_moves_by_its_shrunk_score_to_the_power_rate(table, rate):
     assert balance.scores()[table.entries.index("cross")] == pytest.approx(score)
 
 
-@pytest.mark.parametrize("settings", [dict(max_factor=0.5), dict(rate=0.0), dict(rate=float("nan"))])
+@pytest.mark.parametrize("settings", [dict(max_factor=0.5), dict(rate=0.0), dict(rate=float("nan")), dict(bins=0)])
 def test_settings_out_of_range_are_refused(table, settings):
     with pytest.raises(ValueError, match="must be"):
         OnlineBalance(table, **settings)
+    OnlineBalance(table, max_factor=1.0, bins=1, rate=1e-9)  # the bounds: 1 = natural, one bin
+
+
+def test_each_row_lands_in_the_bin_of_its_noise_level(table):
+    balance = OnlineBalance(table, bins=4)
+    balance.observe([0, 1, 2, 3, 4, 5], [1.0] * 6, [0.0, 0.24, 0.25, 0.6, 0.99, 1.0])  # 1.0: the last bin
+    assert balance.window["bin_rows"].tolist() == [2, 1, 1, 2]
 
 
 def test_a_boosted_entry_gives_its_draws_back_once_its_distance_falls_but_never_below_natural(table):
