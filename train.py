@@ -37,6 +37,7 @@ from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
 from imba.training.sampling import GridSampler
+from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
 from models.pipeline import PIPELINES, build_pipeline, export_pipeline
@@ -59,6 +60,7 @@ def main(argv: list[str]) -> int:
 
     # ---- shards (written, or encoded once), frozen encoders (or precomputed features), DiT, loss, optimizer ------
     sources = training_sources(cfg, accelerator, out)  # data.sources, or data.shards / the synthetic set as one
+    check_captions_readable(cfg, accelerator, sources)  # a text encoder that cannot read them learns nothing
     val_shards = validation_shards(cfg, accelerator, out)  # None: no validation
     bucketer = concept_bucketer(cfg, accelerator, all_shards(sources), out)  # on the captions of the image shards
     if precomputes(cfg):  # VAE latents and T5 states computed once, not at every step

@@ -20,7 +20,7 @@ an uneven split never runs into a collective timeout, and a rerun over a complet
 manifest. Output made with other settings is refused, never mixed.
 
 The encoders are loaded through models/, imported inside the functions that need them, so that only this command
-(not the reader) depends on diffusers and transformers.
+(not the reader) depends on diffusers and transformers; models.settings (dataclasses alone) gives the defaults.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from PIL import Image
+
+from models.settings import TINY, ModelConfig
 
 from .decode import DecodeSamples
 from .files import read_json_object
@@ -345,7 +347,7 @@ def _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, re
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m data.precompute",
+        prog="python -m data.precompute", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Precompute VAE latent moments and T5 states of img2dataset tar shards into new shards "
                     "(run under `accelerate launch` to split the shards over processes).",
     )
@@ -354,13 +356,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, required=True, help="data.resolution of the training config")
     p.add_argument("--vae", default="shapes", help="model.vae: hub id, local folder, 'shapes' or 'tiny'")
     p.add_argument("--vae-subfolder", default="", help="model.vae_subfolder")
-    p.add_argument("--text-encoder", default="tiny",
-                   help="model.text_encoder: hub id, local folder, 'tiny-words' or 'tiny'")
+    p.add_argument("--text-encoder", default=TINY,
+                   help="model.text_encoder: hub id, local folder, 'tiny-words' or 'tiny' (train.py's on your own "
+                        "shards)")
     p.add_argument("--text-encoder-subfolder", default="", help="model.text_encoder_subfolder")
     p.add_argument("--tokenizer-subfolder", default="", help="model.tokenizer_subfolder")
     p.add_argument("--encoder-dtype", default="float32", choices=sorted(encoder_dtypes()),
                    help="model.encoder_dtype: dtype the VAE and T5 run in")
-    p.add_argument("--max-text-tokens", type=int, default=64, help="model.max_text_tokens")
+    p.add_argument("--max-text-tokens", type=int, default=0,
+                   help="model.max_text_tokens; 0 = the text encoder's own, as train.py's (64 for tiny, 16 for "
+                        "tiny-words, 120 for a T5)")
     p.add_argument("--text-dtype", "--dtype", default="float16", choices=TEXT_DTYPES,
                    help="storage of the T5 states: float16, bfloat16, or int8 with a per-token scale (half the "
                         "bytes; data.text_states); latent moments are always float16")
@@ -374,11 +379,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    text = ModelConfig(text_encoder=args.text_encoder, max_text_tokens=args.max_text_tokens)
+    text.resolve(synthetic_data=False)  # max_text_tokens=0 as train.py resolves it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     settings = PrecomputeSettings(
         resolution=args.resolution, vae=args.vae, vae_subfolder=args.vae_subfolder, text_encoder=args.text_encoder,
         text_encoder_subfolder=args.text_encoder_subfolder, tokenizer_subfolder=args.tokenizer_subfolder,
-        encoder_dtype=args.encoder_dtype, max_text_tokens=args.max_text_tokens, text_dtype=args.text_dtype,
+        encoder_dtype=args.encoder_dtype, max_text_tokens=text.max_text_tokens, text_dtype=args.text_dtype,
         caption_field=args.caption_field, min_size=args.min_size,
     )
     from accelerate import PartialState

@@ -41,6 +41,11 @@ PRESETS: dict[str, DiTPreset] = {
     "1b": DiTPreset(num_layers=28, num_attention_heads=23, attention_head_dim=64),
 }
 
+AUTO = "auto"
+TINY, TINY_WORDS = "tiny", "tiny-words"  # the code's own random text encoders (models.text_encoder)
+DEFAULT_TEXT_TOKENS = {TINY_WORDS: 16, TINY: 64}  # model.max_text_tokens=0 for them
+T5_TEXT_TOKENS = 120  # model.max_text_tokens=0 for any other text encoder: PixArt-α's
+
 ENCODER_DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes the frozen T5 and VAE may run in
 PIPELINE_CLASSES = {"alpha": "PixArtAlphaPipeline", "sigma": "PixArtSigmaPipeline"}  # diffusers' stock pipelines
 # diffusers attention processors: torch's scaled_dot_product_attention (flash / memory-efficient kernels on GPU),
@@ -58,12 +63,14 @@ class ModelConfig:
     # repositories (PixArt-Sigma-XL-2-256x256, -512-MS, -2K-MS)
     pipeline: str = "auto"
     # a hub id (google/t5-v1_1-xxl) or a local folder; "tiny-words" (a random tiny T5 with one token per word of the
-    # synthetic shapes: the CPU default's) or "tiny" (a random tiny T5 over bytes, any text: for tests)
-    text_encoder: str = "tiny-words"
+    # synthetic shapes) or "tiny" (a random tiny T5 over bytes: reads any text); auto = tiny-words on the synthetic
+    # set, tiny on your own data
+    text_encoder: str = "auto"
     text_encoder_subfolder: str = ""  # e.g. "text_encoder" inside a PixArt repository
     tokenizer_subfolder: str = ""  # e.g. "tokenizer" inside a PixArt repository
-    # the CPU default's captions are at most 8 word tokens; set it for a real T5: PixArt-α uses 120, PixArt-Σ 300
-    max_text_tokens: int = 16
+    # the text encoder's sequence length; 0 = its own: 16 for tiny-words (the synthetic captions are at most 8
+    # words), 64 for tiny (bytes: about 12 words), 120 for a T5 (PixArt-α's; PixArt-Σ uses 300)
+    max_text_tokens: int = 0
     # "shapes" (the small VAE trained on the synthetic shapes, shipped with the code), "tiny" (random, for tests),
     # a hub id (stabilityai/sd-vae-ft-ema) or a local folder
     vae: str = "shapes"
@@ -72,7 +79,15 @@ class ModelConfig:
 
     CHOICES: ClassVar[dict] = {"preset": tuple(PRESETS), "encoder_dtype": ENCODER_DTYPES,
                                "pipeline": ("auto", *PIPELINE_CLASSES)}
-    RANGES: ClassVar[dict] = {"max_text_tokens": ">= 1"}
+    RANGES: ClassVar[dict] = {"max_text_tokens": ">= 0 (0 = the text encoder's own)"}
+
+    def resolve(self, synthetic_data: bool) -> None:
+        """Fill in the automatic values: text_encoder=auto and max_text_tokens=0 (`synthetic_data`: the run trains on
+        the synthetic set, whose every word the word-level tokenizer knows)."""
+        if self.text_encoder == AUTO:
+            self.text_encoder = TINY_WORDS if synthetic_data else TINY
+        if self.max_text_tokens == 0:
+            self.max_text_tokens = DEFAULT_TEXT_TOKENS.get(self.text_encoder, T5_TEXT_TOKENS)
 
     def encoders(self) -> dict:
         """What decides the frozen encoders' outputs, as keywords of `FrozenEncoders.load`, `PrecomputeSettings` and

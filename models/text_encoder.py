@@ -12,6 +12,8 @@ because models/ imports nothing of the project; the callers that know the data p
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -19,8 +21,7 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
-TINY = "tiny"
-TINY_WORDS = "tiny-words"
+from models.settings import TINY, TINY_WORDS
 TINY_SEED = 1234
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 
@@ -55,24 +56,70 @@ def _tiny_t5(vocab_size: int) -> T5EncoderModel:
         return T5EncoderModel(config)
 
 
+def load_tokenizer(spec: str, tokenizer_subfolder: str = "", words: Sequence[str] = ()):
+    """The tokenizer of `load_text_encoder(spec, ...)`, without loading the encoder's weights."""
+    if spec in (TINY, TINY_WORDS):
+        return ByT5Tokenizer() if spec == TINY else word_tokenizer(words)
+    try:
+        return AutoTokenizer.from_pretrained(spec, subfolder=tokenizer_subfolder or "")
+    except OSError as err:
+        raise OSError(f"cannot load the tokenizer of {spec!r} (subfolder {tokenizer_subfolder!r}): set "
+                      "model.text_encoder to a local folder or a reachable hub id, or 'tiny' for tests") from err
+
+
 def load_text_encoder(spec: str, subfolder: str = "", tokenizer_subfolder: str = "",
                       dtype: torch.dtype = torch.float32, words: Sequence[str] = ()):
     """(tokenizer, frozen T5EncoderModel in eval mode) from "tiny", "tiny-words", a hub id or a local path.
 
     `words`: the vocabulary of "tiny-words" (`word_tokenizer`), ignored by the others."""
+    tokenizer = load_tokenizer(spec, tokenizer_subfolder, words)
     if spec in (TINY, TINY_WORDS):
-        tokenizer = ByT5Tokenizer() if spec == TINY else word_tokenizer(words)
         # ByT5: 256 bytes + 3 special tokens + 125 sentinel ids
         encoder = _tiny_t5(384 if spec == TINY else len(tokenizer)).to(dtype)
     else:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(spec, subfolder=tokenizer_subfolder or "")
             encoder = T5EncoderModel.from_pretrained(spec, subfolder=subfolder or "", torch_dtype=dtype)
         except OSError as err:
             raise OSError(f"cannot load the text encoder from {spec!r} (subfolder {subfolder!r}): set "
                           "model.text_encoder to a local folder or a reachable hub id, or 'tiny' for tests") from err
     encoder.eval().requires_grad_(False)
     return tokenizer, encoder
+
+
+@dataclass(frozen=True)
+class CaptionReading:
+    """How a tokenizer reads a sample of captions (`read_captions`)."""
+
+    captions: int
+    tokens: int  # the captions' tokens, special tokens left out
+    unknown: int  # of those, the tokenizer's unknown token
+    unknown_words: tuple[str, ...]  # the words read as unknown, most frequent first (fast tokenizers only)
+    truncated: int  # captions whose tokens (special tokens included) exceed the sequence length
+    longest: int  # the most tokens of one caption, special tokens included
+
+    @property
+    def unknown_share(self) -> float:
+        return self.unknown / self.tokens if self.tokens else 0.0
+
+
+def read_captions(tokenizer, captions: Sequence[str], max_length: int) -> CaptionReading:
+    """Count what `tokenizer` cannot read of `captions` (unknown tokens) and which captions a sequence length of
+    `max_length` cuts short, as `TextConditioner.encode` tokenizes them."""
+    unk = tokenizer.unk_token_id
+    special = set(tokenizer.all_special_ids) - {unk}  # padding, end of sequence, sentinels
+    tokens = unknown = truncated = longest = 0
+    words: Counter = Counter()
+    for caption in captions:
+        encoded = tokenizer(caption, add_special_tokens=True, return_offsets_mapping=tokenizer.is_fast)
+        ids = encoded["input_ids"]
+        longest, truncated = max(longest, len(ids)), truncated + (len(ids) > max_length)
+        tokens += sum(i not in special for i in ids)
+        positions = [k for k, i in enumerate(ids) if i == unk]
+        unknown += len(positions)
+        if positions and tokenizer.is_fast:
+            words.update(caption[slice(*encoded["offset_mapping"][k])].lower() for k in positions)
+    return CaptionReading(len(captions), tokens, unknown, tuple(w for w, _ in words.most_common()), truncated,
+                          longest)
 
 
 class TextConditioner:

@@ -77,7 +77,8 @@ def test_train_py_help_lists_every_setting_with_its_default_and_rule(flag):
             for f in dataclasses.fields(getattr(defaults, section.name))]
     assert sorted(lines) == sorted(keys)
     assert proc.stdout.startswith("usage: python train.py [--config FILE]")
-    assert lines["model.text_encoder"].split()[1:] == ["str", "default", "tiny-words"]
+    assert lines["model.text_encoder"].split()[1:] == ["str", "default", "auto"]
+    assert lines["model.max_text_tokens"].endswith("default 0, must be >= 0 (0 = the text encoder's own)")
     assert lines["data.batch_size"].endswith("int        default 32, must be >= 1")
     assert lines["data.balance"].endswith("default none, one of none, temperature, cap, imba")
     assert lines["data.balance_fraction"].endswith("default 0.125, must be in (0, 1]")
@@ -106,7 +107,7 @@ def test_range_checks(args, message):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("model.text_encoder=no/such-folder", "cannot load the text encoder from 'no/such-folder'"),
+    ("model.text_encoder=no/such-folder", "cannot load the tokenizer of 'no/such-folder'"),
     ("model.vae=no/such-folder", "cannot load the VAE from 'no/such-folder'"),
     ("model.pretrained=no/such-folder", "cannot load a pretrained transformer from 'no/such-folder'"),
 ])

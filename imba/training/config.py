@@ -294,6 +294,7 @@ def load_config(argv: list[str]) -> Config:
     if resume is not None:
         cfg.train.resume = resume
     _validate(cfg)
+    cfg.model.resolve(synthetic_data=cfg.data.synthetic())
     return cfg
 
 
