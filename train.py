@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from data.skips import reader_stats
 from imba.monitor import BucketMonitor
 from imba.objectives import build_objective
-from imba.training.build import build_dit, build_optimizer, build_training_loss, load_features
+from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
@@ -37,6 +37,7 @@ from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
 from imba.training.sampling import GridSampler
+from imba.training.setting_changes import check_resumed_settings
 from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
@@ -54,13 +55,17 @@ def main(argv: list[str]) -> int:
     zero3 = configure_deepspeed(accelerator, cfg.data.batch_size)
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
+    # which checkpoint, and whether this run's settings may continue it: known before any long work
+    checkpoint_root = out / "checkpoints"
+    resume = plan_resume(cfg.train.resume, checkpoint_root, accelerator)
+    if resume.checkpoint is not None and (changes := check_resumed_settings(cfg, resume.checkpoint)):
+        accelerator.print(changes)
 
     # ---- shards (written, or encoded once), frozen encoders (or precomputed features), DiT, loss, optimizer ------
     sources = training_sources(cfg, accelerator, out)  # data.sources, or data.shards / the synthetic set as one
     check_captions_readable(cfg, accelerator, sources)  # a text encoder that cannot read them learns nothing
+    if cfg.model.pretrained and resume.checkpoint is None:
+        accelerator.print(fine_tune_source(cfg))  # refused if its tokenizer is not the run's
     val_shards = validation_shards(cfg, accelerator, out)  # None: no validation
     bucketer = concept_bucketer(cfg, accelerator, all_shards(sources), out)  # on the captions of the image shards
     if precomputes(cfg):  # VAE latents and T5 states computed once, not at every step
@@ -76,8 +81,6 @@ def main(argv: list[str]) -> int:
     apply_speed_settings(dit, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
 
     # ---- checkpoint state and resume ------------------------------------------------------------------------
-    checkpoint_root = out / "checkpoints"
-    resume = plan_resume(cfg.train.resume, checkpoint_root, accelerator)
     wrapped, optimizer, lr_scheduler = accelerator.prepare(dit, optimizer, lr_scheduler)
     dit = accelerator.unwrap_model(wrapped)  # the bare DiT (config, EMA, no-grad passes); ZeRO-3: partitioned
     ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)  # ZeRO-3: each rank averages its own slice
@@ -108,6 +111,9 @@ def main(argv: list[str]) -> int:
     # ---- loop ------------------------------------------------------------------------------------------------
     grids = GridSampler(cfg, objective, device, is_main, encoders=None if manifest else features,
                         accelerator=accelerator)
+    if is_main:  # only once the run starts: a start that fails leaves no config behind
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
     metrics_log = JsonlLogger(out / "metrics.jsonl", keep_until=state.step) if is_main else None
     # data.record_draws: the sample indices each rank trains on

@@ -150,6 +150,7 @@ def test_photo_captions_under_the_word_tokenizer_stop_the_run_before_any_encodin
     assert last.startswith("error: model.text_encoder=tiny-words reads ") and "of 8 captions as unknown" in last, last
     assert "set model.text_encoder to a T5" in last
     assert not (out / "features").exists()  # refused before data.precompute encodes anything
+    assert not (out / "config.yaml").exists()  # a start that fails leaves no config behind
     assert len(shards) == 4
 
 
@@ -171,3 +172,46 @@ def test_the_automatic_encoder_reads_your_photos_and_a_short_sequence_warns(tmp_
     with pytest.raises(ConfigError, match=r"^model.text_encoder=tiny-words reads \d+ of the \d+ tokens of 4 captions"):
         check_captions_readable(load_config([f"data.shards={tmp_path / 'photos'}", "model.text_encoder=tiny-words"]),
                                 accelerator, sources)
+
+
+# ---- a fine-tune reads text as the model it starts from did -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def byte_export(tmp_path_factory):
+    """A pipeline folder as train.py exports it, trained with the byte-level `tiny` tokenizer."""
+    from models.dit import build_transformer
+    from models.pipeline import build_pipeline, export_pipeline
+    from models.text_encoder import load_text_encoder
+    from models.vae import load_vae
+    from imba.objectives import build_objective
+
+    folder = tmp_path_factory.mktemp("export")
+    tokenizer, t5 = load_text_encoder("tiny")
+    transformer = build_transformer("micro", sample_size=4, caption_channels=64)
+    export_pipeline(build_pipeline(transformer, load_vae("tiny"), t5, tokenizer,
+                                   build_objective("flow").sampling_scheduler()), folder)
+    return folder
+
+
+def test_a_fine_tune_names_its_start_and_checks_the_tokenizer(byte_export):
+    from imba.training.build import fine_tune_source
+
+    for pretrained in (byte_export, byte_export / "transformer"):
+        cfg = load_config([f"model.pretrained={pretrained}", "model.text_encoder=tiny"])
+        assert fine_tune_source(cfg) == (f"fine-tuning from {pretrained}: its transformer's weights; its tokenizer is "
+                                         "model.text_encoder=tiny's")
+    # the same width (64) under the word-level tokenizer: every id would mean another token
+    cfg = load_config([f"model.pretrained={byte_export}", "model.text_encoder=tiny-words"])
+    with pytest.raises(ConfigError, match=rf"^model.pretrained={byte_export} was trained with another tokenizer than "
+                                          r"model.text_encoder=tiny-words \(\d+ tokens, not 22\): the DiT would read "):
+        fine_tune_source(cfg)
+
+
+def test_a_transformer_alone_is_named_and_not_checked():
+    from imba.training.build import fine_tune_source
+
+    nano = REPO / "tests" / "golden" / "nano_dit"
+    assert fine_tune_source(load_config([f"model.pretrained={nano}"])) == (
+        f"fine-tuning from {nano}: its transformer's weights (no tokenizer beside them to check "
+        "model.text_encoder=tiny-words against)")

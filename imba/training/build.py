@@ -3,8 +3,11 @@ optimizer and its schedule. Weights a user names that cannot load give a one-lin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from diffusers.optimization import get_scheduler
+from transformers import AutoTokenizer
 
 from data.precomputed import PrecomputedFeatures, find_manifest
 from data.synthetic import CAPTION_WORDS
@@ -13,6 +16,7 @@ from imba.training_loss import TrainingLoss
 from models.dit import build_transformer, load_pretrained_transformer
 from models.encoders import DTYPES, FrozenEncoders
 from models.pipeline import pipeline_kind_of, unsamplable_reason
+from models.text_encoder import load_tokenizer
 
 
 def load_encoders(cfg: Config, device) -> FrozenEncoders:
@@ -72,6 +76,31 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
     if reason:
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: {reason}")
     return dit
+
+
+def fine_tune_source(cfg: Config) -> str:
+    """What a fine-tune (model.pretrained) starts from, as one line for the log. Refused (`ConfigError`): a pipeline
+    whose own tokenizer (its tokenizer/ folder) splits text otherwise than the run's, since the DiT would then read
+    other text embeddings than it learned, whatever their width."""
+    m = cfg.model
+    path = Path(m.pretrained)
+    if path.is_dir() and (path / "config.json").is_file() and (path.parent / "model_index.json").is_file():
+        path = path.parent  # the transformer/ folder of a pipeline
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(path), subfolder="tokenizer")
+    except (OSError, ValueError):  # a transformer alone, or a hub id out of reach
+        return (f"fine-tuning from {m.pretrained}: its transformer's weights (no tokenizer beside them to check "
+                f"model.text_encoder={m.text_encoder} against)")
+    try:
+        ours = load_tokenizer(m.text_encoder, m.tokenizer_subfolder, words=CAPTION_WORDS)
+    except OSError as err:
+        raise ConfigError(str(err)) from err
+    if theirs.get_vocab() != ours.get_vocab():
+        raise ConfigError(f"model.pretrained={m.pretrained} was trained with another tokenizer than "
+                          f"model.text_encoder={m.text_encoder} ({len(theirs)} tokens, not {len(ours)}): the DiT would "
+                          "read text it never learned; set model.text_encoder to the one it was trained with")
+    return (f"fine-tuning from {m.pretrained}: its transformer's weights; its tokenizer is "
+            f"model.text_encoder={m.text_encoder}'s")
 
 
 def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank: bool,

@@ -379,6 +379,11 @@ Each setting with its type, its default, and its allowed values or range; a sect
 (e.g. data.balance_cap with data.balance=cap) run after these."""
 
 
+def written(value) -> str:
+    """A setting's value as an override writes it (YAML: true, null, [a, b])."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...")
+
+
 def help_text() -> str:
     """`train.py --help`: the usage, then every setting read from the section dataclasses (type, default, choices
     or range), so the list cannot drift from what `load_config` accepts."""
@@ -390,9 +395,7 @@ def help_text() -> str:
         for f in dataclasses.fields(kind):
             key, hint = f"{section}.{f.name}", hints[f.name]
             type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-            default = yaml.safe_dump(getattr(getattr(defaults, section), f.name), default_flow_style=True,
-                                     width=10**6).strip().removesuffix("\n...")
-            line = f"  {key:<34} {type_name:<10} default {default}"
+            line = f"  {key:<34} {type_name:<10} default {written(getattr(getattr(defaults, section), f.name))}"
             if key in CHOICES:
                 line += f", one of {', '.join(map(str, CHOICES[key]))}"
             elif key in RANGES:
