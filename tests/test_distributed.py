@@ -337,3 +337,36 @@ def test_zero3_trains_like_zero2_holds_the_ema_whole_and_exports(tmp_path, full_
     shrunk = launch("zero3", [f"train.output_dir={tmp_path / 'run'}", "train.max_steps=7"], tmp_path, num_processes=1)
     assert "resuming a 2-process ZeRO-3 checkpoint on 1 processes" in shrunk
     assert f"at step 6, parameters {digests(zero3_log)[0]}" in shrunk and "done: step 7" in shrunk
+
+
+def test_the_documented_zero_command_on_the_cpu_is_the_one_tested_here():
+    text = (REPO / "docs" / "cluster.md").read_text()
+    (command,) = re.findall(r"^accelerate launch --use_deepspeed (.*?) train\.py$", text.replace("\\\n  ", ""), re.M)
+    flags = ["--use_deepspeed", *command.split()]
+    assert flags == [*LAUNCHERS["zero2"][0], "--num_processes", "2"] and LAUNCHERS["zero2"][1] == {}
+
+
+def test_a_deepspeed_launch_that_accelerate_drops_on_the_cpu_is_warned(monkeypatch, tmp_path, capsys):
+    from accelerate.state import AcceleratorState
+
+    from imba.training.config import load_config
+    from imba.training.distributed import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    try:
+        accelerator = make_accelerator(load_config(["train.trackers=none"]), tmp_path / "run")
+        assert accelerator.state.deepspeed_plugin is None
+        assert capsys.readouterr().out.strip() == (
+            f"warning: the launch asked for DeepSpeed, but ACCELERATE_USE_CPU=true makes accelerate run "
+            f"{accelerator.distributed_type.value} without it: no ZeRO, DDP checkpoints; for ZeRO on the CPU launch "
+            "without ACCELERATE_USE_CPU")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    try:
+        make_accelerator(load_config(["train.trackers=none"]), tmp_path / "run")
+        assert "warning" not in capsys.readouterr().out
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

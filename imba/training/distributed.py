@@ -48,6 +48,12 @@ def make_accelerator(cfg: Config, out: Path) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else [],
     )
+    asked_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    if asked_deepspeed and accelerator.state.deepspeed_plugin is None:
+        # accelerate drops a DeepSpeed launch config when told to use the CPU, without a word
+        accelerator.print(f"warning: the launch asked for DeepSpeed, but ACCELERATE_USE_CPU=true makes accelerate "
+                          f"run {accelerator.distributed_type.value} without it: no ZeRO, DDP checkpoints; for ZeRO on "
+                          "the CPU launch without ACCELERATE_USE_CPU")
     cpu_fp16 = accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu"
     if cpu_fp16 and accelerator.state.deepspeed_plugin is None:
         # accelerate has no fp16 autocast or GradScaler on the CPU: it would train in float32 and not say so
