@@ -87,6 +87,9 @@ def _zero3_worker(rank: int, world: int, port: int, results: str) -> None:
         refused = str(err)
     torch.save({"state": state, "reference": reference.state_dict(), "reloaded": reloaded, "refused": refused,
                 "slice_sizes": [s.numel() for s in other.shadow_params]}, Path(results) / f"rank{rank}.pt")
+    # neither rank leaves while the other may still be in a ZeRO-3 collective: gloo aborts a process whose peer is gone
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -536,5 +536,6 @@ def test_a_sigusr1_during_start_up_is_repeated_until_the_training_handles_it(fak
     # installs its handler): one forwarded signal would be lost and the job would run into its time limit
     result = run_sbatch(SINGLE, fakes, mode="worker", send=signal.SIGUSR1, send_when="starting", FAKE_STARTUP="1",
                         RESEND_EVERY="0.3")
-    assert (fakes / "worker.0").read_text() == "USR1", result.stderr
+    # a repeat may also land while the worker finishes its step (the handler only sets a flag): SIGUSR1s only
+    assert set((fakes / "worker.0").read_text().split(",")) == {"USR1"}, result.stderr
     assert result.returncode == 0 and requeues(fakes) == [f"requeue {JOB_ID}"]

@@ -54,6 +54,7 @@ def test_int8_error_is_at_most_half_a_step_of_each_tokens_scale(x):
 
 
 def test_each_dtype_round_trips_as_documented():
+    torch.manual_seed(0)
     states = torch.randn(7, 64) * torch.logspace(-2, 1, 64)
     states[3] = 0  # an all-zero token decodes to zeros
     for dtype, torch_dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
@@ -63,7 +64,11 @@ def test_each_dtype_round_trips_as_documented():
     values, scale = encode_states(states, "int8")
     back = states_from_numpy(values, scale, "int8")
     assert torch.equal(back[3], torch.zeros(64)) and scale[3] == 0
-    assert torch.equal(states.abs().argmax(dim=1), back.abs().argmax(dim=1))  # the largest value is exact-ish
+    # each token's largest magnitude decodes to itself (it is 127 steps of its scale) and stays a largest value of
+    # the decoded token (another value within half a step of it may round to 127 as well: a tie, not an error)
+    top = states.abs().argmax(dim=1, keepdim=True)
+    assert torch.allclose(back.gather(1, top), states.gather(1, top), rtol=1e-6, atol=0)
+    assert torch.equal(back.abs().gather(1, top)[:, 0], back.abs().amax(dim=1))
     assert bytes_per_token("int8", 4096) == 4100 and bytes_per_token("float16", 4096) == 8192
     assert bytes_per_token("int8", 4096) / bytes_per_token("float16", 4096) < 0.51  # "at least halves"
 
