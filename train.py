@@ -28,7 +28,7 @@ from imba.training.checkpoints import TrainState, newest_intact, register, regis
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
-from imba.training.export import export_checkpoint
+from imba.training.export import export_adapter, export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
 from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
@@ -41,6 +41,7 @@ from imba.training.setting_changes import check_resumed_settings
 from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
+from models.lora import describe
 from models.pipeline import PIPELINES, build_pipeline, export_pipeline
 
 
@@ -53,6 +54,9 @@ def main(argv: list[str]) -> int:
     accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"device {device}, output {out}")
     zero3 = configure_deepspeed(accelerator, cfg.data.batch_size)
+    if zero3 and cfg.model.lora_rank:  # the adapters' export needs the EMA whole on one rank
+        raise ConfigError("model.lora_rank is not supported under ZeRO-3: use ZeRO-2 or DDP (LoRA's optimizer "
+                          "state is small, and ZeRO-2 partitions it)")
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     # which checkpoint, and whether this run's settings may continue it: known before any long work
@@ -73,6 +77,7 @@ def main(argv: list[str]) -> int:
         val_shards = val_shards and precompute_once(cfg, accelerator, out, val_shards, "val")
     features, manifest = load_features(cfg, all_shards(sources), device)
     dit = build_dit(cfg, features)
+    accelerator.print(f"DiT: {describe(dit)}")
     objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
     # under ZeRO-3 every forward pass is a collective: every rank must run the same passes
     loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=zero3,
@@ -225,6 +230,7 @@ def main(argv: list[str]) -> int:
     ema_model = grids.save(dit, ema, state.step)  # a clean instance: no compile/checkpointing state
     if is_main:
         export_pipeline(build_pipeline(transformer=ema_model, **grids.pipeline_parts()), export_dir)
+        export_adapter(export_dir, dit, ema, cfg)  # model.lora_rank: the adapters alone, in lora/
         write_model_card(export_dir, cfg, state.step, accelerator.num_processes,
                          grid=out / "samples" / f"step_{state.step:07d}.png")  # the Hub's model page
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "

@@ -76,10 +76,28 @@ class ModelConfig:
     vae: str = "shapes"
     vae_subfolder: str = ""
     encoder_dtype: str = "float32"  # dtype of the frozen T5 and VAE: float32 | bfloat16 | float16
+    # LoRA fine-tuning (peft) of model.pretrained: 0 trains every weight; r > 0 freezes the DiT and trains rank-r
+    # adapters on the linear layers lora_targets names; the export holds the merged weights and the adapters (lora/)
+    lora_rank: int = 0
+    lora_alpha: float = 0.0  # the adapters' scale is lora_alpha / lora_rank; 0 = lora_rank (scale 1)
+    lora_targets: str = "to_q,to_k,to_v,to_out.0"  # comma-separated suffixes of the linear layers' names
 
     CHOICES: ClassVar[dict] = {"preset": tuple(PRESETS), "encoder_dtype": ENCODER_DTYPES,
                                "pipeline": ("auto", *PIPELINE_CLASSES)}
-    RANGES: ClassVar[dict] = {"max_text_tokens": ">= 0 (0 = the text encoder's own)"}
+    RANGES: ClassVar[dict] = {"max_text_tokens": ">= 0 (0 = the text encoder's own)",
+                              "lora_rank": ">= 0 (0 = no LoRA: every weight trains)",
+                              "lora_alpha": ">= 0 (0 = lora_rank)"}
+
+    def check(self) -> None:
+        if self.lora_rank and not self.pretrained:
+            raise ValueError("model.lora_rank needs model.pretrained: LoRA adapts trained weights (an export of a "
+                             "run, or a PixArt transformer)")
+        if self.lora_rank and not self.lora_target_list():
+            raise ValueError("model.lora_targets names no layer: give comma-separated suffixes of linear layers' "
+                             "names, e.g. to_q,to_k,to_v,to_out.0")
+
+    def lora_target_list(self) -> list[str]:
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
 
     def resolve(self, synthetic_data: bool) -> None:
         """Fill in the automatic values: text_encoder=auto and max_text_tokens=0 (`synthetic_data`: the run trains on

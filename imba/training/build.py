@@ -15,6 +15,7 @@ from imba.training.config import Config, ConfigError
 from imba.training_loss import TrainingLoss
 from models.dit import build_transformer, load_pretrained_transformer
 from models.encoders import DTYPES, FrozenEncoders
+from models.lora import add_lora
 from models.pipeline import pipeline_kind_of, unsamplable_reason
 from models.text_encoder import load_tokenizer
 
@@ -54,7 +55,8 @@ def pipeline_kind(cfg: Config) -> str:
 
 
 def build_dit(cfg: Config, features) -> torch.nn.Module:
-    """The DiT (a random preset, or pretrained weights) sized for the latents and text states `features` give.
+    """The DiT (a random preset, or pretrained weights, with LoRA adapters where model.lora_rank is set) sized for
+    the latents and text states `features` give.
 
     Refused before any training: a model that the run's stock pipeline (`pipeline_kind`) could not sample, since
     neither its grids nor its export would work."""
@@ -75,6 +77,11 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
     reason = unsamplable_reason(dit.config, pipeline_kind(cfg))
     if reason:
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: {reason}")
+    if cfg.model.lora_rank:  # the base frozen, adapters trained (models/lora.py)
+        try:
+            add_lora(dit, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_target_list())
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     return dit
 
 
@@ -112,9 +119,9 @@ def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank:
 
 
 def build_optimizer(cfg: Config, parameters, num_processes: int):
-    """AdamW and its constant-with-warm-up schedule."""
+    """AdamW over the parameters that train (LoRA: the adapters alone) and its constant-with-warm-up schedule."""
     o = cfg.optim
-    optimizer = torch.optim.AdamW(parameters, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+    optimizer = torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps)
     # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=o.warmup_steps * num_processes)

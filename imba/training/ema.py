@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from diffusers.training_utils import EMAModel
 
+from models.lora import has_lora, merged_state_dict
+
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -101,9 +103,9 @@ class PartitionedEMA(EMAModel):
 
 def ema_weights_copy(model: torch.nn.Module, ema: EMAModel, build: bool = True) -> torch.nn.Module | None:
     """A fresh copy of `model` (a diffusers model) holding the EMA weights, on the model's device, in eval mode,
-    without compile or checkpointing state: what a sample grid and the export run. None where `build` is False.
-    With a `PartitionedEMA` every rank must call it (the slices are gathered from all ranks); pass
-    build=is_main_process."""
+    without compile or checkpointing state, LoRA adapters merged into the weights: what a sample grid and the export
+    run. None where `build` is False. With a `PartitionedEMA` every rank must call it (the slices are gathered from
+    all ranks); pass build=is_main_process."""
     weights = ema.full_tensors(keep=build) if isinstance(ema, PartitionedEMA) else ema.shadow_params
     if not build:
         return None
@@ -112,6 +114,9 @@ def ema_weights_copy(model: torch.nn.Module, ema: EMAModel, build: bool = True) 
     # an uninterrupted one at the first grid); on the model's device: for 1B on a GPU much faster than on the CPU
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         copy = type(model).from_config(model.config)
+    if has_lora(model):  # the adapters folded into the base weights: a stock transformer
+        copy.load_state_dict(merged_state_dict(model, weights))
+        return copy.eval()
     with torch.no_grad():
         for param, weight in zip(copy.parameters(), weights, strict=True):
             param.copy_(weight)

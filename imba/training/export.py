@@ -7,7 +7,8 @@ folder opens with `PixArtAlphaPipeline.from_pretrained(folder)` (`PixArtSigmaPip
 `build.pipeline_kind`) and no code from this project. The checkpoint is
 verified against its manifest first (`checkpoints.require_intact`): a damaged one is a one-line error, never an
 export of corrupted weights. Checkpoints of every format are read (`checkpoints.checkpoint_format`), and config keys
-that a later version renamed or dropped migrate in one line (`imba.training.migrate`).
+that a later version renamed or dropped migrate in one line (`imba.training.migrate`). A LoRA run's export holds the
+adapters merged into the pipeline's transformer, and the adapters alone in `lora/` (`export_adapter`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from pathlib import Path
 from imba.objectives import build_objective
 from imba.training.build import build_dit, load_encoders, pipeline_kind
 from imba.training.checkpoints import CONFIG_FILE, checkpoint_format, load_ema_state, require_intact
-from imba.training.config import ConfigError, load_config
-from imba.training.ema import make_ema
+from imba.training.config import Config, ConfigError, load_config
+from imba.training.ema import ema_weights_copy, make_ema
 from imba.training.model_card import write_model_card
+from models.lora import has_lora, save_adapter
 from models.pipeline import build_pipeline, export_pipeline, is_pipeline_folder
+
+LORA_FOLDER = "lora"  # a LoRA run's adapters in the export, beside the merged pipeline
 
 
 def default_export_dir(checkpoint: Path) -> Path:
@@ -42,14 +46,24 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksum
     ema.load_state_dict(load_ema_state(checkpoint))
     if any(s.shape != p.shape for s, p in zip(ema.shadow_params, transformer.parameters())):
         raise ConfigError(f"the EMA in {checkpoint} does not match the model its {CONFIG_FILE} describes")
-    ema.copy_to(transformer.parameters())
     export_dir = Path(export_dir or default_export_dir(checkpoint))
     scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
-    export_pipeline(build_pipeline(transformer, scheduler=scheduler, pipeline=pipeline_kind(cfg),
-                                   **encoders.pipeline_parts()), export_dir)
+    export_pipeline(build_pipeline(ema_weights_copy(transformer, ema), scheduler=scheduler,
+                                   pipeline=pipeline_kind(cfg), **encoders.pipeline_parts()), export_dir)
+    export_adapter(export_dir, transformer, ema, cfg)
     step = load_ema_state(checkpoint)["optimization_step"]
     write_model_card(export_dir, cfg, step, grid=checkpoint.parent.parent / "samples" / f"step_{step:07d}.png")
     return export_dir
+
+
+def export_adapter(export_dir: Path, model, ema, cfg: Config) -> Path | None:
+    """A LoRA run's adapters, with the EMA's weights, as a peft adapter folder `export_dir/lora` for the base model
+    (model.pretrained): `PeftModel.from_pretrained(base_transformer, folder)` loads it. None without LoRA."""
+    if not has_lora(model):
+        return None
+    m = cfg.model
+    return save_adapter(model, Path(export_dir) / LORA_FOLDER, m.lora_rank, m.lora_alpha, m.lora_target_list(),
+                        weights=ema.shadow_params, base=m.pretrained or "")
 
 
 def export_checkpoint_once(checkpoint: Path) -> Path:

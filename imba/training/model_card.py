@@ -86,6 +86,11 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
         batch += f" × {processes} processes = {cfg.data.batch_size * cfg.train.grad_accum * processes}"
     started = f"fine-tuned from `{cfg.model.pretrained}`" if cfg.model.pretrained else (
         f"trained from scratch (preset `{cfg.model.preset}`)")
+    m = cfg.model
+    if m.lora_rank:
+        started += (f" with LoRA (rank {m.lora_rank}, alpha {m.lora_alpha or m.lora_rank:g}, on "
+                    f"{', '.join(m.lora_target_list())}), merged into these weights; the adapters alone are in "
+                    "`lora/` (`peft.PeftModel.from_pretrained(base_transformer, 'lora')`)")
     rows = [
         ("model", f"PixArt-style DiT, {started}"),
         ("data", _data_line(cfg)),

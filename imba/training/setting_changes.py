@@ -47,6 +47,7 @@ BREAKING: dict[str, str] = {
     "model.tokenizer_subfolder": "what the DiT learned to read",
     "model.max_text_tokens": "what the DiT learned to read",
     "model.vae*": "the latent space the DiT learned",
+    "model.lora_*": "which weights train, and the adapters' shape and scale",
     "data.resolution": "the latent size the DiT learned",
     "loss.*": "the objective and the loss's state",
     "objective.*": "the objective",

@@ -1,0 +1,92 @@
+"""LoRA fine-tuning of the DiT with peft: low-rank adapters on chosen linear layers, the base weights frozen.
+
+`add_lora` injects the adapters in place: the model stays a `PixArtTransformer2DModel`, so the training loop, the
+EMA and checkpoints see one module as before, and the adapters' B matrices start at zero, so the first step predicts
+exactly what the pretrained model does. `merged_state_dict` folds W + (alpha / rank) B A back into plain weights:
+the grids and the export are a stock transformer. `save_adapter` writes the adapters alone as a peft adapter folder
+(`adapter_config.json`, `adapter_model.safetensors`) that `peft.PeftModel.from_pretrained(transformer, folder)`
+loads onto the base model (diffusers' PixArt pipelines have no `load_lora_weights`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import save_file
+
+ADAPTER = "default"  # peft's adapter name
+PEFT_PREFIX = "base_model.model."  # how a PeftModel names the wrapped model's keys in adapter_model.safetensors
+
+
+def lora_config(rank: int, alpha: float, targets: Sequence[str]) -> LoraConfig:
+    """`alpha` 0 = `rank` (scale 1)."""
+    return LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=list(targets), lora_dropout=0.0,
+                      init_lora_weights=True)
+
+
+def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets: Sequence[str]) -> torch.nn.Module:
+    """Freeze `model` and give the linear layers named by `targets` (suffixes of module names, e.g. "to_q",
+    "ff.net.2") trainable rank-`rank` adapters; in place, returns `model`. A target naming no layer is refused."""
+    known = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in known)]
+    if missing:
+        raise ValueError(f"model.lora_targets {missing} name no linear layer of the DiT (e.g. to_q, to_k, to_v, "
+                         "to_out.0, ff.net.0.proj, ff.net.2)")
+    model.requires_grad_(False)
+    inject_adapter_in_model(lora_config(rank, alpha, targets), model, adapter_name=ADAPTER)
+    return model
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    return any(isinstance(module, LoraLayer) for module in model.modules())
+
+
+def describe(model: torch.nn.Module) -> str:
+    """'N parameters' or, with adapters, 'N parameters, of which M train (LoRA)', for the start-up log."""
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trained == total:
+        return f"{total:,} parameters"
+    return f"{total:,} parameters, of which {trained:,} train ({100 * trained / total:.2f} %, LoRA)"
+
+
+def _named(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """`weights` (in the order of `model.parameters()`, e.g. the EMA's; None: the model's own) by parameter name."""
+    names = [name for name, _ in model.named_parameters()]
+    if weights is None:
+        weights = [p.detach() for p in model.parameters()]
+    return dict(zip(names, weights, strict=True))
+
+
+def merged_state_dict(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The state dict of `model` without adapters: each adapted layer's weight is W + scale · B A, every other
+    parameter and saved buffer as it is. `weights`: see `_named`."""
+    named = _named(model, weights)
+    named |= {name: buffer for name, buffer in model.state_dict().items() if name not in named}  # saved buffers
+    merged: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            a, b = named.pop(f"{prefix}.lora_A.{ADAPTER}.weight"), named.pop(f"{prefix}.lora_B.{ADAPTER}.weight")
+            base = named.pop(f"{prefix}.base_layer.weight")
+            merged[f"{prefix}.weight"] = base + module.scaling[ADAPTER] * (b.to(base.dtype) @ a.to(base.dtype))
+            if f"{prefix}.base_layer.bias" in named:
+                merged[f"{prefix}.bias"] = named.pop(f"{prefix}.base_layer.bias")
+    return {**named, **merged}
+
+
+def save_adapter(model: torch.nn.Module, folder: Path, rank: int, alpha: float, targets: Sequence[str],
+                 weights: Sequence[torch.Tensor] | None = None, base: str = "") -> Path:
+    """The adapters of `model` as a peft adapter folder; `weights`: see `_named`; `base`: the model they adapt."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = lora_config(rank, alpha, targets)
+    config.base_model_name_or_path = base or None
+    config.save_pretrained(str(folder))
+    state = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): w.detach().float().contiguous().cpu()
+             for name, w in _named(model, weights).items() if ".lora_A." in name or ".lora_B." in name}
+    save_file(state, str(folder / "adapter_model.safetensors"))
+    return folder

@@ -1,0 +1,165 @@
+"""LoRA fine-tuning (model.lora_rank, models/lora.py): adapters that start at the base model, train alone, merge into
+a stock transformer, export as a peft adapter folder that loads onto the base, and resume like any run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from imba.training.config import ConfigError, load_config
+from models.dit import build_transformer, predict
+from models.lora import add_lora, describe, has_lora, merged_state_dict, save_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = ["to_q", "to_v", "ff.net.2"]
+
+
+def tiny_dit(seed: int = 0):
+    torch.manual_seed(seed)
+    return build_transformer("micro", 4, 8, in_channels=4)
+
+
+def inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    noisy = torch.randn(2, 4, 4, 4, generator=g)
+    timesteps = torch.tensor([10, 700])
+    embeds = torch.randn(2, 5, 8, generator=g)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    return noisy, timesteps, embeds, mask
+
+
+def perturb_adapters(model, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+@torch.no_grad()
+def out(model):
+    return predict(model.eval(), *inputs())
+
+
+def test_adapters_start_at_the_base_model_and_are_all_that_trains():
+    base, model = tiny_dit(), add_lora(tiny_dit(), rank=4, alpha=8, targets=TARGETS)
+    assert has_lora(model) and not has_lora(base)
+    assert torch.equal(out(model), out(base))  # B = 0: the first step predicts what the pretrained model does
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    # every named layer of every block is adapted, and nothing else
+    adapted = {n.rsplit(".lora_", 1)[0] for n in trained}
+    assert adapted == {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)
+                       and any(n.endswith(f".{t}") for t in TARGETS)}
+    assert "of which" in describe(model) and "of which" not in describe(base)
+
+
+def test_a_target_that_names_no_linear_layer_is_refused():
+    with pytest.raises(ValueError, match=r"model.lora_targets \['to_qq'\] name no linear layer"):
+        add_lora(tiny_dit(), rank=2, alpha=0, targets=["to_q", "to_qq"])
+
+
+@pytest.mark.parametrize("alpha", [0, 3])
+def test_the_merged_weights_are_a_stock_transformer_predicting_what_the_adapted_model_does(alpha):
+    model = add_lora(tiny_dit(), rank=4, alpha=alpha, targets=TARGETS)
+    perturb_adapters(model)
+    assert not torch.allclose(out(model), out(tiny_dit()))
+    stock = type(model).from_config(model.config)
+    stock.load_state_dict(merged_state_dict(model))  # strict: exactly the stock model's keys
+    assert not has_lora(stock)
+    torch.testing.assert_close(out(stock), out(model), rtol=1e-5, atol=1e-5)
+    # weights given apart from the model (the EMA's) are the ones merged
+    doubled = [p.detach() * 2 if "lora_B" in n else p.detach() for n, p in model.named_parameters()]
+    merged = merged_state_dict(model, doubled)
+    layer = "transformer_blocks.0.attn1.to_q"
+    base_w = dict(model.named_parameters())[f"{layer}.base_layer.weight"]
+    delta = merged_state_dict(model)[f"{layer}.weight"] - base_w
+    torch.testing.assert_close(merged[f"{layer}.weight"] - base_w, 2 * delta)
+
+
+def test_the_adapter_folder_loads_onto_the_base_model_with_peft(tmp_path):
+    from peft import PeftModel
+
+    model = add_lora(tiny_dit(), rank=4, alpha=6, targets=TARGETS)
+    perturb_adapters(model)
+    folder = save_adapter(model, tmp_path / "lora", rank=4, alpha=6, targets=TARGETS, base="base-export")
+    assert {p.name for p in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    loaded = PeftModel.from_pretrained(tiny_dit(), folder)
+    torch.testing.assert_close(out(loaded.get_base_model()), out(model), rtol=1e-5, atol=1e-5)
+    assert loaded.peft_config["default"].base_model_name_or_path == "base-export"
+
+
+def test_lora_settings_are_checked_in_one_line():
+    with pytest.raises(ConfigError, match="model.lora_rank needs model.pretrained"):
+        load_config(["model.lora_rank=4"])
+    with pytest.raises(ConfigError, match="model.lora_targets names no layer"):
+        load_config(["model.lora_rank=4", "model.pretrained=somewhere", "model.lora_targets=' , '"])
+    with pytest.raises(ConfigError, match="lora_rank"):
+        load_config(["model.lora_rank=-1"])
+    cfg = load_config(["model.lora_rank=4", "model.pretrained=somewhere", "model.lora_targets=to_q, ff.net.2"])
+    assert cfg.model.lora_target_list() == ["to_q", "ff.net.2"]
+
+
+# ---- end to end: a LoRA fine-tune of an export, resumed, exported, loaded by a stock pipeline with peft ----------
+
+TINY_RUN = [
+    "data.resolution=64", "data.batch_size=2", "data.synthetic_samples=24", "data.shuffle_buffer=8",
+    "train.log_every=1", "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle, a blue square]",
+    "optim.warmup_steps=1", "train.trackers=none",
+]
+
+
+def run_train(args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_a_lora_fine_tune_resumes_exactly_exports_merged_weights_and_adapters_that_peft_loads(tmp_path):
+    from diffusers import PixArtAlphaPipeline, PixArtTransformer2DModel
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    run_train([*TINY_RUN, f"train.output_dir={base}", "train.max_steps=2", "train.save_every=2"], tmp_path)
+    lora = [*TINY_RUN, f"model.pretrained={base / 'export'}", "model.lora_rank=4", "model.lora_alpha=8",
+            "model.lora_targets=to_q,to_k,to_v,to_out.0", "loss.kind=imba", "optim.lr=1e-2", "train.save_every=2"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    done = run_train([*lora, f"train.output_dir={whole}", "train.max_steps=4"], tmp_path)
+    # the start-up line counts what trains: rank 4 × (96 in + 96 out) × 4 targets × 2 attentions × 4 blocks
+    assert "DiT: 730,480 parameters, of which 24,576 train (3.36 %, LoRA)" in done.stdout
+    run_train([*lora, f"train.output_dir={parts}", "train.max_steps=2"], tmp_path)
+    resumed = run_train([*lora, f"train.output_dir={parts}", "train.max_steps=4", "--resume", "latest"], tmp_path)
+    assert "resumed from" in resumed.stdout
+
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    before, after = load_file(base / "export" / weights), load_file(whole / "export" / weights)
+    assert before.keys() == after.keys()  # merged: a stock transformer's keys, no adapter keys
+    # the base weights are frozen: only the adapted layers' weights moved (by the merged B A)
+    adapted = {k for k in before if any(f".{t}." in k for t in ("to_q", "to_k", "to_v", "to_out.0"))}
+    assert all(torch.equal(before[k], after[k]) for k in before if k not in adapted)
+    assert any(not torch.equal(before[k], after[k]) for k in adapted if k.endswith(".weight"))
+    # killed at step 2 and resumed: the same export, bit for bit
+    resumed_weights = load_file(parts / "export" / weights)
+    assert all(torch.equal(after[k], resumed_weights[k]) for k in after)
+
+    # the adapters alone, on a stock pipeline of the base model, predict what the merged export does
+    pipe = PixArtAlphaPipeline.from_pretrained(base / "export")
+    pipe.transformer = PeftModel.from_pretrained(pipe.transformer, whole / "export" / "lora").eval()
+    merged = PixArtTransformer2DModel.from_pretrained(whole / "export" / "transformer").eval()
+    noisy, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([100, 900])
+    embeds, mask = torch.randn(2, 16, merged.config.caption_channels), torch.ones(2, 16, dtype=torch.long)
+    with torch.no_grad():
+        torch.testing.assert_close(predict(pipe.transformer.get_base_model(), noisy, t, embeds, mask),
+                                   predict(merged, noisy, t, embeds, mask), rtol=1e-4, atol=1e-5)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red circle", height=64, width=64, num_inference_steps=2, use_resolution_binning=False,
+                 max_sequence_length=16, generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (64, 64)
+    assert "LoRA (rank 4, alpha 8" in (whole / "export" / "README.md").read_text()
