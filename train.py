@@ -36,7 +36,7 @@ from imba.training.metrics import DrawLog, JsonlLogger, MetricWindow, Throughput
 from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
-from imba.training.sampling import GridSampler
+from imba.training.sampling import GridSampler, prompts_from_data
 from imba.training.setting_changes import check_resumed_settings
 from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
@@ -68,6 +68,9 @@ def main(argv: list[str]) -> int:
     # ---- shards (written, or encoded once), frozen encoders (or precomputed features), DiT, loss, optimizer ------
     sources = training_sources(cfg, accelerator, out)  # data.sources, or data.shards / the synthetic set as one
     check_captions_readable(cfg, accelerator, sources)  # a text encoder that cannot read them learns nothing
+    if not cfg.sample.prompts:  # auto on your own data: the grids show some of its captions
+        cfg.sample.prompts, where = prompts_from_data(cfg, sources)
+        accelerator.print(f"sample.prompts: {where}: {cfg.sample.prompts}")
     if cfg.model.pretrained and resume.checkpoint is None:
         accelerator.print(fine_tune_source(cfg))  # refused if its tokenizer is not the run's
     val_shards = validation_shards(cfg, accelerator, out)  # None: no validation

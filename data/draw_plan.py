@@ -109,7 +109,9 @@ def _concept_rows(table: ConceptTable, natural: np.ndarray, planned: np.ndarray)
     nat, plan = entry_counts(table, natural), entry_counts(table, planned)
     rows = [[e, float(n), float(p)] for e, n, p in zip(table.entries, nat, plan)]
     singles = sorted((r for r in rows if not is_combination(r[0])), key=lambda r: (-r[1], r[0]))
-    combos = sorted((r for r in rows if is_combination(r[0]) and r[1] > 0), key=lambda r: (-r[2] / r[1], r[0]))
+    # the largest boost first; among equal boosts (the many rare combinations one rule treats alike) the rarest
+    combos = sorted((r for r in rows if is_combination(r[0]) and r[1] > 0),
+                    key=lambda r: (-round(r[2] / r[1], 9), r[1], r[0]))
     return singles, combos[:REPORTED_COMBINATIONS]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import diffusers
 import torch
 from diffusers import DiffusionPipeline
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from models.settings import PIPELINE_CLASSES
 
@@ -71,13 +71,41 @@ def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler, pipelin
     return pipe
 
 
-def image_grid(images: list[Image.Image], columns: int | None = None) -> Image.Image:
+LABEL_LINES = 3  # a label longer than this many lines of its tile's width ends in "…"
+
+
+def _wrap(text: str, font, width: float) -> list[str]:
+    """`text` in lines no wider than `width` pixels (a word wider than that stands alone), at most LABEL_LINES."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    if len(lines) > LABEL_LINES:
+        lines = lines[:LABEL_LINES]
+        lines[-1] += " …"
+    return lines
+
+
+def image_grid(images: list[Image.Image], columns: int | None = None,
+               labels: list[str] | None = None) -> Image.Image:
+    """`images` in rows of `columns` (a square grid by default); `labels`: a text under each image (its prompt),
+    wrapped to the image's width under it; every row leaves room for the longest label."""
     columns = columns or math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / columns)
     w, h = images[0].size
-    grid = Image.new("RGB", (columns * w, rows * h), "white")
+    font = ImageFont.load_default()
+    line_height = font.getbbox("Ag")[3] + 2
+    wrapped = [_wrap(label, font, w - 4) for label in labels] if labels else [[] for _ in images]
+    label_height = max(map(len, wrapped)) * line_height + (4 if labels else 0)
+    grid = Image.new("RGB", (columns * w, rows * (h + label_height)), "white")
+    draw = ImageDraw.Draw(grid)
     for i, img in enumerate(images):
-        grid.paste(img, ((i % columns) * w, (i // columns) * h))
+        x, y = (i % columns) * w, (i // columns) * (h + label_height)
+        grid.paste(img, (x, y))
+        for j, line in enumerate(wrapped[i]):
+            draw.text((x + 2, y + h + 2 + j * line_height), line, fill="black", font=font)
     return grid
 
 
@@ -125,7 +153,13 @@ def export_pipeline(pipe: DiffusionPipeline, folder: Path) -> Path:
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    pipe.to("cpu", torch.float32)
+    verbosity = diffusers.utils.logging.get_verbosity()
+    # diffusers warns on every cast to a dtype about modules "that should be kept in float32": all of them are here
+    diffusers.utils.logging.set_verbosity_error()
+    try:
+        pipe.to("cpu", torch.float32)
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -137,4 +171,4 @@ def save_grid(transformer, parts: dict, path: Path, prompts: list[str], resoluti
     images = sample_images(build_pipeline(transformer=transformer, **parts), prompts, resolution, guidance_scale,
                            steps, seed, max_text_tokens)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images).save(path)
+    image_grid(images, labels=prompts).save(path)

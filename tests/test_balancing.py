@@ -225,3 +225,19 @@ def test_the_balancers_stream_follows_its_seed(table):
     again = OnlineBalancer(OnlineBalance(table), base, np.array([0, len(table)]), len(table), 7, every=3,
                            fraction=1.0, lag=2, patch_size=2, num_train_timesteps=1000).order.samples(range(60))
     assert not np.array_equal(draws[0], draws[7]) and np.array_equal(draws[7], again)
+
+
+def test_a_balancer_made_without_a_rank_is_the_main_process_and_carries_its_saved_window_on(table):
+    def made():
+        base = expected_draws_to_units(np.ones(len(table)), len(table))
+        return OnlineBalancer(OnlineBalance(table), base, np.array([0, len(table)]), len(table), 7, every=3,
+                              fraction=1.0, lag=2, patch_size=2, num_train_timesteps=1000)
+
+    b = made()
+    noised = SimpleNamespace(timesteps=torch.tensor([100, 900]))
+    b.observe([0, 1], {"distance_per_token": torch.ones(2, 4)}, None, noised, None)
+    state = b.state_dict()
+    assert state["balance"]["window"]["bin_rows"].sum() == 2
+    resumed = made()
+    resumed.load_state_dict(copy.deepcopy(state))
+    assert same(window(resumed), state["balance"]["window"])

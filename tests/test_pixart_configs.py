@@ -191,7 +191,7 @@ def test_a_public_configuration_fine_tunes_samples_and_exports_for_the_stock_pip
     # the run's last grid is what the stock pipeline draws from the export with the same settings
     images = sample_images(pipe, PROMPTS, resolution, GUIDANCE, STEPS, 0, tokens)
     grid = np.asarray(Image.open(out / "samples" / "step_0000001.png").convert("RGB"))
-    assert np.array_equal(np.asarray(image_grid(images)), grid)
+    assert np.array_equal(np.asarray(image_grid(images, labels=PROMPTS)), grid)
     if resolution == pretrained_size * VAE_SCALE:  # at its own resolution: the pipeline's defaults, binning on
         image = pipe(PROMPTS[0], num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0)).images[0]
     else:

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from data.balance import BalanceSettings, balance_factors, build_concept_table, caption_entries, entry_counts
 from data.concepts import default_extractor
 from data.concepts.vocab import VocabExtractor
-from data.draw_plan import describe_plan, load_plan, plan_draws, plan_fingerprint
+from data.draw_plan import describe_plan, load_plan, plan_draws, plan_fingerprint, plot_plan
 from data.index import ShardIndex, load_or_build_index
 from data.sources import Source, SourceConfig, SourceMix, check_same_kind, resolve_sources
 from data.synthetic import write_synthetic_shards
@@ -460,3 +460,215 @@ def test_captions_that_do_not_match_the_shards_are_refused_and_a_damaged_plan_is
     assert load_plan(tmp_path) is None
     again = plan_draws(index, mix, settings, tmp_path)
     assert np.array_equal(again.units, plan.units) and load_plan(tmp_path) is not None
+
+
+# ---- the survivors of mutation testing: what the tests above left unstated ----------------------------------------
+
+
+def test_shares_are_relative_whatever_they_sum_to():
+    sources = [Source("a", ["/shards/a-0.tar"], share=2.0), Source("b", ["/shards/b-0.tar"], share=1.0)]
+    mix = SourceMix(sources, [90, 30])
+    assert mix.samples_per_epoch == 120 and list(mix.draws) == pytest.approx([80, 40])  # 2 : 1 of 120
+
+
+def test_an_epoch_of_repeats_is_their_draws_summed_and_rounded():
+    # two samples drawn 0.7 times each: 1.4 draws, an epoch of 1
+    mix = SourceMix([Source("a", ["/shards/a-0.tar"], repeat=0.7)], [2])
+    assert mix.samples_per_epoch == 1 and list(mix.draws) == pytest.approx([1.0])
+
+
+def test_shard_sizes_that_do_not_match_the_sources_shards_are_refused():
+    sources = [Source("a", ["/shards/a-0.tar", "/shards/a-1.tar"])]
+    with pytest.raises(ValueError, match="1 shard sizes for 2 shards"):
+        SourceMix(sources, [5])
+
+
+def test_a_missing_share_names_the_source_without_one():
+    from data.sources import check_source_configs
+
+    with pytest.raises(ValueError, match=r"\(plain has none\)"):
+        check_source_configs([SourceConfig("a", share=1.0, name="shared"), SourceConfig("b", name="plain")])
+
+
+def test_precomputed_sources_that_differ_are_named_with_both_values(monkeypatch):
+    import data.precomputed
+
+    same = {"resolution": 32, "max_text_tokens": 12}
+    manifests = {"/a.tar": same, "/b.tar": dict(same), "/c.tar": {"resolution": 64, "max_text_tokens": 10}}
+    monkeypatch.setattr(data.precomputed, "find_manifest", lambda urls: manifests[urls[0]])
+    sources = [Source(name, [f"/{name}.tar"]) for name in "abc"]
+    with pytest.raises(ValueError) as err:
+        check_same_kind(sources)
+    message = str(err.value)
+    assert "c's features were made with other settings than a's" in message
+    assert "resolution=64 vs 32" in message and "max_text_tokens=10 vs 12" in message
+    assert check_same_kind(sources[:2]) == manifests["/a.tar"]
+
+
+# ---- the draw plan's report, storage and captions ------------------------------------------------------------------
+
+# natural counts: red 5, circle 4, square 3, green = ring = blue 2 (green first in caption order); alpha = 1 gives
+# each sample head / (count of its rarest entry): a red circle 5/4, a green ring or blue square 5/2, the red square 5;
+# 9 draws over 20 factor units: 9/16, 9/8 and 9/4 draws (exact in units, so equal samples get equal units)
+PLAN_CAPTIONS = ["a red circle"] * 4 + ["a green ring"] * 2 + ["a blue square"] * 2 + ["a red square"]
+
+
+def one_source(n, name="only"):
+    url = f"/shards/{name}-0.tar"
+    return ShardIndex([{"url": url, "nsamples": n}]), SourceMix([Source(name, [url])], [n])
+
+
+def test_the_report_lists_concepts_by_natural_draws_and_combinations_by_boost(tmp_path):
+    index, mix = one_source(len(PLAN_CAPTIONS))
+    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path / "run" / "data",
+                      captions=lambda: iter(PLAN_CAPTIONS))
+    assert plan.expected == pytest.approx([9 / 16] * 4 + [9 / 8] * 4 + [9 / 4])
+    # most drawn first, ties by name
+    assert [row[0] for row in plan.report["concepts"]] == ["red", "circle", "square", "blue", "green", "ring"]
+    assert [row[1] for row in plan.report["concepts"]] == pytest.approx([5, 4, 3, 2, 2, 2])
+    # most boosted (planned / natural draws) first, ties by name; a combination of one sample is listed too
+    combos = plan.report["most_boosted_combinations"]
+    assert [row[0] for row in combos] == ["red:square", "blue:square", "green:ring", "red:circle"]
+    assert [row[2] / row[1] for row in combos] == pytest.approx([9 / 4, 9 / 8, 9 / 8, 9 / 16])
+    assert load_plan(tmp_path / "run" / "data") is not None  # the run's folder made with its parents
+    lines = describe_plan(plan)
+    assert lines[0] == "data: an epoch is 9 draws from 9 samples, balanced by concepts (method=temperature, alpha=1.0)"
+    assert lines[-1].startswith("  rarest concept 'ring': 2.0 -> 2.")
+    assert "0 captions name no known concept" in lines[-1]
+
+
+def test_a_natural_plan_reads_no_caption_and_reports_no_concept(tmp_path):
+    index, mix = one_source(4)
+
+    def unread():
+        raise AssertionError("data.balance=none needs no caption")
+
+    plan = plan_draws(index, mix, BalanceSettings("none"), tmp_path, captions=unread)
+    assert plan.expected == pytest.approx([1.0] * 4) and "concepts" not in plan.report
+    assert "captions_without_entries" not in plan.report
+    assert describe_plan(plan)[0] == "data: an epoch is 4 draws from 4 samples"
+    assert not any("rarest concept" in line for line in describe_plan(plan))
+    assert plot_plan(plan, tmp_path) is None
+
+
+def test_the_report_counts_captionless_samples_and_the_natural_distinct_share(tmp_path):
+    urls = ["/shards/twice-0.tar", "/shards/half-0.tar"]
+    index = ShardIndex([{"url": url, "nsamples": 2} for url in urls])
+    mix = SourceMix([Source("twice", urls[:1], repeat=2.0), Source("half", urls[1:], repeat=0.5)], [2, 2])
+    captions = ["a red circle", "", "nothing known here", ""]
+    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=lambda: iter(captions))
+    assert plan.report["captions_without_entries"] == 3
+    # an epoch shows min(1, rate) of each sample: both of "twice", half of each of "half"
+    assert plan.report["natural_distinct_share"] == pytest.approx((1 + 1 + 0.5 + 0.5) / 4)
+
+
+def test_the_plan_reads_concepts_with_the_extractor_it_is_given(tmp_path):
+    index, mix = one_source(3)
+
+    def zebras(caption):
+        return ["zebra"]
+
+    settings = BalanceSettings("temperature", alpha=1.0)
+    plan = plan_draws(index, mix, settings, tmp_path, extractor=zebras, captions=lambda: iter(["a red circle"] * 3))
+    assert [row[0] for row in plan.report["concepts"]] == ["zebra"]
+    assert plan.report["fingerprint"] == plan_fingerprint(index, mix, settings, zebras)
+    assert plan.report["fingerprint"] != plan_fingerprint(index, mix, settings)
+    with pytest.raises(ValueError, match="the sources hold 3 samples, the index 4"):
+        plan_draws(one_source(4)[0], mix, settings, tmp_path / "other", captions=lambda: iter(["a red circle"] * 4))
+
+
+def test_extractors_without_a_description_are_told_apart_by_their_type():
+    index, mix = one_source(3)
+
+    class Zebras:
+        def __call__(self, caption):
+            return ["zebra"]
+
+    class Lions(Zebras):
+        pass
+
+    settings = BalanceSettings("temperature", alpha=1.0)
+    assert plan_fingerprint(index, mix, settings, Zebras()) == plan_fingerprint(index, mix, settings, Zebras())
+    assert plan_fingerprint(index, mix, settings, Zebras()) != plan_fingerprint(index, mix, settings, Lions())
+
+
+@pytest.mark.parametrize("damage", ["int32", "column", "one unit more"])
+def test_a_stored_plan_whose_units_are_not_one_int64_per_sample_summing_to_the_epoch_is_not_reused(tmp_path, damage):
+    index, mix = one_source(4)
+    plan = plan_draws(index, mix, BalanceSettings("none"), tmp_path)
+    units = {"int32": plan.units.astype(np.int32), "column": plan.units[:, None],
+             "one unit more": plan.units + np.eye(1, 4, dtype=np.int64)[0]}[damage]
+    np.save(tmp_path / "draws.npy", units)
+    assert load_plan(tmp_path) is None
+
+
+def test_the_plot_shows_the_reports_combinations_and_a_plot_as_new_as_the_report_is_kept(tmp_path, monkeypatch):
+    import data.concepts.plot
+
+    index, mix = one_source(len(PLAN_CAPTIONS))
+    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path,
+                      captions=lambda: iter(PLAN_CAPTIONS))
+    drawn = []
+
+    def plot(rows, path, **kwargs):
+        drawn.append((rows, kwargs))
+        path.write_bytes(b"png")
+        return path
+
+    monkeypatch.setattr(data.concepts.plot, "plot_drawn_vs_natural", plot)
+    png = plot_plan(plan, tmp_path)
+    assert png == tmp_path / "draws.png" and len(drawn) == 1
+    rows, kwargs = drawn[0]
+    assert rows == plan.report["concepts"] and kwargs["combinations"] == plan.report["most_boosted_combinations"]
+    assert "natural vs temperature" in kwargs["title"]
+    mtime = (tmp_path / "draws.json").stat().st_mtime_ns
+    os.utime(png, ns=(mtime, mtime))  # written in the same clock tick as the report
+    assert plot_plan(plan, tmp_path) == png and len(drawn) == 1
+
+
+def caption_shard(path, captions, field="caption"):
+    from shard_helpers import write_tar
+
+    return write_tar(path, [{"__key__": f"{i:04d}", "json": json.dumps({field: c, "alt": f"alt {c}"}).encode()}
+                            for i, c in enumerate(captions)])
+
+
+def test_index_captions_read_the_caption_field_and_line_up_with_the_indexed_count(tmp_path, caplog):
+    import logging
+
+    from data.draw_plan import index_captions
+
+    shard = caption_shard(tmp_path / "part-000000.tar", ["a red circle", "a cyan ring", "a blue square"])
+    assert list(index_captions(ShardIndex([{"url": shard, "nsamples": 3}]))) == [
+        "a red circle", "a cyan ring", "a blue square"]
+    assert list(index_captions(ShardIndex([{"url": shard, "nsamples": 3}]), "alt"))[0] == "alt a red circle"
+    with caplog.at_level(logging.WARNING, logger="data.draw_plan"):
+        assert list(index_captions(ShardIndex([{"url": shard, "nsamples": 2}]))) == ["a red circle", "a cyan ring"]
+        assert list(index_captions(ShardIndex([{"url": shard, "nsamples": 5}]))) == [
+            "a red circle", "a cyan ring", "a blue square", "", ""]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith(f"shard {shard}: 3 captions for 2 indexed samples;")
+    assert messages[1].startswith(f"shard {shard}: 3 captions for 5 indexed samples;")
+
+
+def test_the_entry_table_is_stored_reused_and_read_back_whole(tmp_path, monkeypatch):
+    import data.draw_plan
+    from data.draw_plan import entry_table, load_entry_table
+
+    shard = caption_shard(tmp_path / "part-000000.tar", ["a red circle", "", "a blue square"], field="alt_text")
+    index = ShardIndex([{"url": shard, "nsamples": 3}])
+    folder = tmp_path / "run" / "data"
+    table = entry_table(index, folder, "key", caption_field="alt_text")
+    assert [table.sample_entries(i) for i in range(3)] == [["red", "circle", "red:circle"], [],
+                                                         ["blue", "square", "blue:square"]]
+    stored = load_entry_table(folder, "key")
+    assert stored.entries == table.entries and stored.entries[0] == "red"
+    assert stored.ptr.dtype == np.int64 and np.array_equal(stored.ptr, table.ptr)
+    assert stored.ids.dtype == np.int32 and np.array_equal(stored.ids, table.ids)
+    monkeypatch.setattr(data.draw_plan, "build_concept_table", lambda *a, **k: pytest.fail("the table was reread"))
+    again = entry_table(index, folder, "key")
+    assert again.entries == table.entries and np.array_equal(again.ids, table.ids)
+    assert load_entry_table(folder, "other key") is None
+    monkeypatch.undo()
+    zebras = entry_table(index, tmp_path / "zebras", "key", lambda caption: ["zebra"], caption_field="alt_text")
+    assert zebras.entries == ["zebra"]

@@ -32,6 +32,8 @@ from .buckets import BUCKETS
 
 DPI = 100
 BUCKET_ORDER: tuple[str, ...] = BUCKETS  # of legends and lines: head, torso, tail
+NAMED_CONCEPTS = 30  # concepts named on the x axis of the draws plot; beyond, the head's and the tail's halves
+
 BUCKET_COLOURS = {"head": "#0072B2", "torso": "#E69F00", "tail": "#009E73"}
 OTHER_COLOURS = ("#555555", "#CC79A7", "#56B4E9", "#D55E00")  # buckets outside head/torso/tail (e.g. held_out)
 STYLE = {
@@ -182,10 +184,14 @@ def plot_drawn_vs_natural(
                 label="natural (the sources' shares alone)")
         ax.plot(ranks, planned, color=BUCKET_COLOURS["torso"], marker="o", markersize=4, linewidth=1.5,
                 label="planned (balanced)")
-        if len(concepts) <= 30:
+        if len(concepts) <= NAMED_CONCEPTS:
             ax.set_xticks(ranks, [str(r[0]) for r in concepts], rotation=60, ha="right")
-        else:
-            ax.set_xlabel("concept, by natural frequency (1 = most frequent)")
+        else:  # the head's and the tail's names, the ranks between them unnamed
+            shown = np.r_[0:NAMED_CONCEPTS // 2, len(concepts) - NAMED_CONCEPTS // 2:len(concepts)]
+            ax.set_xticks(ranks[shown], [f"{concepts[i][0]} ({i + 1})" for i in shown], rotation=60, ha="right",
+                          fontsize="small")
+            ax.set_xlabel(f"concept (rank by natural frequency), the {NAMED_CONCEPTS // 2} most frequent and the "
+                          f"{NAMED_CONCEPTS // 2} rarest of {len(concepts)} named")
         ax.set_ylabel("draws per epoch of samples naming it")
         ax.legend(loc="upper right", framealpha=0.95)
         if combinations:
@@ -200,5 +206,6 @@ def plot_drawn_vs_natural(
             ax.set_yticks(y, names)
             ax.set_xlabel("draws per epoch")
             ax.set_title("most boosted combinations")
-            ax.legend(loc="best", framealpha=0.95)
+            # beside the bars, never over them
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.95)
     return Path(path)

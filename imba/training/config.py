@@ -55,15 +55,20 @@ class OptimConfig:
                               "ema_decay": "in [0, 1]"}
 
 
+# The grids' prompts on the synthetic set, a 3 × 3 grid: its head pairs; rarer shapes (a cyan ring is its rarest pair);
+# a head colour on another head shape, and two-object compositions
+SYNTHETIC_PROMPTS = [
+    "a red circle", "a blue square", "a green triangle",
+    "a yellow star", "a black cross", "a cyan ring",
+    "a blue circle", "a red circle and a blue square", "a green triangle and a yellow star",
+]
+
+
 @dataclass
 class SampleConfig:
-    prompts: list[str] = field(default_factory=lambda: [
-        # a 3 × 3 grid: the synthetic set's head pairs; rarer shapes (a cyan ring is its rarest pair); a head colour on
-        # another head shape, and two-object compositions
-        "a red circle", "a blue square", "a green triangle",
-        "a yellow star", "a black cross", "a cyan ring",
-        "a blue circle", "a red circle and a blue square", "a green triangle and a yellow star",
-    ])
+    # [] = auto: SYNTHETIC_PROMPTS on the synthetic set; on your own data, nine of its captions (data.val_shards'
+    # first, else the training shards'), chosen when the run starts and written to its config.yaml
+    prompts: list[str] = field(default_factory=list)
     guidance_scale: float = 4.5
     steps: int = 20
     seed: int = 0
@@ -75,10 +80,10 @@ class SampleConfig:
         "seed": f"in [{-2**63}, {2**63 - 1}]",  # torch.Generator's (image i gets seed + i)
     }
 
-    def check(self) -> None:
-        if not self.prompts:
-            raise ValueError("config key 'sample.prompts' needs at least one prompt, e.g. "
-                             "sample.prompts=[a red circle]")
+    def resolve(self, synthetic_data: bool) -> None:
+        """prompts=[] on the synthetic set: its prompts (on your own data the run takes them from the captions)."""
+        if not self.prompts and synthetic_data:
+            self.prompts = list(SYNTHETIC_PROMPTS)
 
 
 @dataclass
@@ -295,6 +300,7 @@ def load_config(argv: list[str]) -> Config:
         cfg.train.resume = resume
     _validate(cfg)
     cfg.model.resolve(synthetic_data=cfg.data.synthetic())
+    cfg.sample.resolve(synthetic_data=cfg.data.synthetic())
     return cfg
 
 

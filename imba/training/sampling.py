@@ -1,5 +1,6 @@
-"""The sample grids of a run: its fixed prompts (`sample.*`) drawn from the EMA weights, as `samples/step_*.png`,
-and as images in the run's TensorBoard and W&B trackers."""
+"""The sample grids of a run: its fixed prompts (`sample.*`, by default some of the data's own captions) drawn from
+the EMA weights, each labelled with its prompt, as `samples/step_*.png`, and as images in the run's TensorBoard and
+W&B trackers."""
 
 from __future__ import annotations
 
@@ -9,11 +10,31 @@ import numpy as np
 import torch
 from PIL import Image
 
+from data.sources import Source
+from data.urls import expand_urls
 from imba.training.build import load_encoders, pipeline_kind
-from imba.training.config import Config
+from imba.training.config import SYNTHETIC_PROMPTS, Config
 from imba.training.ema import ema_weights_copy
+from imba.training.text_check import sample_captions
 from models.encoders import FrozenEncoders
 from models.pipeline import save_grid
+
+GRID_PROMPTS = 9  # prompts taken from the data's captions: a 3 × 3 grid
+
+
+def prompts_from_data(cfg: Config, sources: list[Source]) -> tuple[list[str], str]:
+    """(prompts, where they come from) for sample.prompts=[] on your own data: up to `GRID_PROMPTS` distinct captions
+    spread evenly over the first captions of data.val_shards, else of the training sources (shards in order); the
+    synthetic set's prompts where no shard holds a caption (features precomputed without them)."""
+    pools = [("data.val_shards", [expand_urls(cfg.data.val_shards)])] if cfg.data.val_shards else []
+    pools.append(("the training shards", sources))
+    for where, shards in pools:
+        captions = list(dict.fromkeys(c.strip() for c in sample_captions(shards, cfg.data.caption_field) if c.strip()))
+        if captions:
+            n, k = len(captions), min(GRID_PROMPTS, len(captions))
+            picked = [captions[round(i * (n - 1) / (k - 1))] if k > 1 else captions[0] for i in range(k)]
+            return picked, f"{k} captions of {where}"
+    return list(SYNTHETIC_PROMPTS), "no shard holds a caption: the synthetic set's prompts; set sample.prompts"
 
 
 class GridSampler:

@@ -86,8 +86,10 @@ def compare_settings(saved: Config, now: Config) -> tuple[list[str], list[str]]:
 
 def check_resumed_settings(cfg: Config, checkpoint: Path) -> str | None:
     """Refuse (`ConfigError`, one line) a resume whose settings break what `checkpoint` holds; else the line that
-    names the allowed changes, or None when nothing changed."""
+    names the allowed changes, or None when nothing changed. sample.prompts left to auto takes the checkpoint's."""
     saved = load_config(["--config", str(checkpoint / CONFIG_FILE)])
+    if not cfg.sample.prompts:  # left to auto: the grids go on with the checkpoint's prompts
+        cfg.sample.prompts = list(saved.sample.prompts)
     refused, allowed = compare_settings(saved, cfg)
     if refused:
         raise ConfigError(f"cannot resume {checkpoint} with changed settings: {'; '.join(refused)}. Set them back, "

@@ -28,13 +28,15 @@ WARN_UNKNOWN = 0.05
 WARN_TRUNCATED = 0.25  # share of captions cut short that warns
 
 
-def sample_captions(sources: list[Source], caption_field: str, per_source: int = SAMPLE) -> list[str]:
-    """The first `per_source` captions of each source, its shards in order, no image read."""
-    def captions(source: Source):
-        for url in source.urls:
+def sample_captions(sources: list[Source] | list[list[str]], caption_field: str, per_source: int = SAMPLE) -> list[str]:
+    """The first `per_source` captions of each source (a `Source`, or a list of shard URLs), its shards in order, no
+    image read."""
+    def captions(urls: list[str]):
+        for url in urls:
             yield from iter_shard_captions(url, caption_field)
 
-    return [caption for source in sources for caption in islice(captions(source), per_source)]
+    return [caption for source in sources
+            for caption in islice(captions(source.urls if isinstance(source, Source) else source), per_source)]
 
 
 def judge(reading: CaptionReading, text_encoder: str, max_text_tokens: int) -> tuple[str | None, list[str]]:

@@ -1,0 +1,90 @@
+"""The sample grids show the run's prompts: by default some of the data's own captions (the validation shards'
+first), each written under its image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageFont
+
+from data.sources import Source
+from data.synthetic import write_synthetic_shards
+from imba.training.config import SYNTHETIC_PROMPTS, load_config
+from imba.training.sampling import GRID_PROMPTS, prompts_from_data
+from models.pipeline import LABEL_LINES, image_grid
+from tests.shard_helpers import png, write_tar
+from tests.test_text_check import write_photo_shards
+
+
+def tiles(n: int, size: int = 64) -> list[Image.Image]:
+    return [Image.new("RGB", (size, size), (20 * i, 200, 30)) for i in range(n)]
+
+
+def test_a_grid_without_labels_is_its_tiles_edge_to_edge():
+    grid = image_grid(tiles(5), columns=3)
+    assert grid.size == (3 * 64, 2 * 64)
+    assert np.array_equal(np.asarray(grid)[64:128, 64:128], np.asarray(tiles(5)[4]))
+    assert np.asarray(grid)[64:, 128:].min() == 255  # the missing sixth tile is white
+
+
+def test_each_label_is_written_under_its_own_tile_within_its_width():
+    labels = ["a red circle", "x", "a photo of a tabby cat asleep on a wooden bench in the afternoon sun " * 3]
+    grid = np.asarray(image_grid(tiles(3), columns=3, labels=labels))
+    assert grid.shape[0] > 64  # room for the labels
+    for i in range(3):
+        tile = grid[:64, 64 * i:64 * (i + 1)]
+        assert np.array_equal(tile, np.asarray(tiles(3)[i]))  # labels never cover a picture
+        under = grid[64:, 64 * i:64 * (i + 1)]
+        assert (under < 128).any()  # dark text under each tile
+    font = ImageFont.load_default()
+    line = font.getbbox("Ag")[3] + 2
+    # the long label is cut to LABEL_LINES lines, the short ones take one
+    inked_rows = [np.flatnonzero((grid[64:, 64 * i:64 * (i + 1)] < 128).any(axis=(1, 2))) for i in range(3)]
+    assert inked_rows[2].max() > (LABEL_LINES - 1) * line and inked_rows[2].max() < LABEL_LINES * line + 4
+    assert inked_rows[0].max() < line + 2
+    assert grid.shape == (64 + LABEL_LINES * line + 4, 3 * 64, 3)
+
+
+def test_the_synthetic_set_samples_its_own_prompts_and_your_data_its_captions(tmp_path):
+    assert load_config([]).sample.prompts == SYNTHETIC_PROMPTS
+    assert load_config(["data.shards=x/"]).sample.prompts == []  # chosen from the captions when the run starts
+    assert load_config(["data.shards=x/", "sample.prompts=[a cat]"]).sample.prompts == ["a cat"]
+
+    captions = [f"photo number {i} of a cat" for i in range(40)]
+    shards = write_photo_shards(tmp_path / "train", captions, per_shard=8)
+    cfg = load_config([f"data.shards={tmp_path / 'train'}"])
+    prompts, where = prompts_from_data(cfg, [Source("train", shards)])
+    # nine distinct captions spread over the ones read, the first and the last of them included
+    assert len(prompts) == GRID_PROMPTS == len(set(prompts)) and where == "9 captions of the training shards"
+    assert prompts[0] == captions[0] and prompts[-1] == captions[-1] and prompts == sorted(prompts, key=captions.index)
+
+    # the validation shards come first; duplicates and blank captions count once / not at all
+    val = write_photo_shards(tmp_path / "val", ["a dog", "a dog", "  ", "a bird"], per_shard=2)
+    cfg = load_config([f"data.shards={tmp_path / 'train'}", f"data.val_shards={tmp_path / 'val'}"])
+    assert prompts_from_data(cfg, [Source("train", shards)]) == (["a dog", "a bird"], "2 captions of data.val_shards")
+
+
+def test_shards_without_captions_fall_back_to_the_synthetic_prompts_and_say_so(tmp_path):
+    (tmp_path / "bare").mkdir()
+    path = write_tar(tmp_path / "bare" / "bare-000000.tar", [{"__key__": "000000", "png": png((1, 2, 3))}])
+    cfg = load_config([f"data.shards={tmp_path / 'bare'}"])
+    prompts, where = prompts_from_data(cfg, [Source("bare", [str(path)])])
+    assert prompts == SYNTHETIC_PROMPTS and "set sample.prompts" in where
+
+
+def test_a_resume_with_automatic_prompts_keeps_the_checkpoints(tmp_path):
+    from imba.training.config import save_config
+    from imba.training.setting_changes import check_resumed_settings
+
+    saved = load_config(["data.shards=x/", "sample.prompts=[a dog, a bird]"])
+    checkpoint = tmp_path / "step_0000010"
+    checkpoint.mkdir()
+    save_config(saved, checkpoint / "config.yaml")
+    now = load_config(["data.shards=x/"])
+    assert check_resumed_settings(now, checkpoint) is None  # nothing changed, nothing said
+    assert now.sample.prompts == ["a dog", "a bird"]
+    other = load_config(["data.shards=x/", "sample.prompts=[a cat]"])
+    assert "sample.prompts" in check_resumed_settings(other, checkpoint)  # an explicit change is said
+    assert other.sample.prompts == ["a cat"]
