@@ -101,6 +101,9 @@ def main(argv: list[str]) -> int:
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
     global_batch = cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes  # samples per step
+    accelerator.print(f"batch: {global_batch} samples a step ({cfg.data.batch_size} per process × "
+                      f"{cfg.train.grad_accum} accumulation steps × {accelerator.num_processes} processes); text "
+                      f"encoder {cfg.model.text_encoder} ({cfg.model.max_text_tokens} tokens), VAE {cfg.model.vae}")
     # what a checkpoint that records no data position read per step: its processes, this run's batch and accumulation
     unrecorded = global_batch // accelerator.num_processes * resume.saved_world_size
     if change := global_batch_change(state, unrecorded, global_batch):

@@ -41,6 +41,8 @@ def make_accelerator(cfg: Config, out: Path) -> Accelerator:
     # CPU multi-process runs (tests, debugging) need gloo, else DeepSpeed asks for oneCCL; naming a backend in a
     # single process would make accelerate expect a process group, so only when launched distributed
     distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not torch.cuda.is_available():  # said, DeepSpeed's CPU accelerator needs no warning in every process
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.grad_accum,
         mixed_precision=cfg.train.mixed_precision,
