@@ -24,7 +24,8 @@ from data.skips import reader_stats
 from imba.monitor import BucketMonitor
 from imba.objectives import build_objective
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
-from imba.training.checkpoints import TrainState, newest_intact, register, register_state, save_checkpoint
+from imba.training.checkpoints import (CHECKPOINTS_DIR, TrainState, newest_intact, register, register_state,
+                                       save_checkpoint)
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> int:
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     # which checkpoint, and whether this run's settings may continue it: known before any long work
-    checkpoint_root = out / "checkpoints"
+    checkpoint_root = out / CHECKPOINTS_DIR
     resume = plan_resume(cfg.train.resume, checkpoint_root, accelerator)
     if resume.checkpoint is not None and (changes := check_resumed_settings(cfg, resume.checkpoint)):
         accelerator.print(changes)

@@ -73,3 +73,19 @@ def test_the_streaming_reader_names_data_min_size_when_every_image_was_too_small
     with pytest.raises(NoUsableSamples, match="every image read is smaller than data.min_size") as info:
         next(iter(loader))
     assert "\n" not in str(info.value) and isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.parametrize("resume,message", [
+    ("laest", "checkpoint 'laest' not found; pass --resume latest or a step_* folder"),
+    ("RUN", "is a run's output folder, not a checkpoint: resume it with train.output_dir="),
+])
+def test_a_resume_path_that_names_no_checkpoint_is_one_line_before_any_work(tmp_path, resume, message):
+    earlier = tmp_path / "earlier"
+    (earlier / "checkpoints").mkdir(parents=True)
+    run = tmp_path / "run"
+    status, stderr = train_py(f"train.output_dir={run}", "--resume", str(earlier) if resume == "RUN" else resume,
+                              cwd=tmp_path)
+    assert status != 0 and "Traceback" not in stderr, stderr
+    assert message in stderr.strip().splitlines()[-1]
+    # refused before the synthetic set is written or anything is encoded: the new run's folder stays empty
+    assert not run.exists() or not any(run.iterdir())

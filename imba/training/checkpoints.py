@@ -72,6 +72,7 @@ from imba.training.integrity import check_manifest, folder_manifest, fsync_dir, 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_step_"
+CHECKPOINTS_DIR = "checkpoints"  # a run's checkpoints, in train.output_dir
 LATEST = "latest"
 FORMAT = 2  # the layout this code writes (the module docstring), as "format" in manifest.json; none there: 1
 EMA_STATE_FILE = "ema.pt"  # the registered part "ema": `<name>.pt`
@@ -379,6 +380,10 @@ def resolve_resume(resume: str | None, root: Path, checksums: bool = True,
     if resume != LATEST:
         if not Path(resume).is_dir():
             raise FileNotFoundError(f"checkpoint {resume!r} not found; pass --resume latest or a step_* folder")
+        if (Path(resume) / CHECKPOINTS_DIR).is_dir():
+            raise FileNotFoundError(f"{resume!r} is a run's output folder, not a checkpoint: resume it with "
+                                    f"train.output_dir={resume} --resume latest, or name one of its "
+                                    f"{CHECKPOINTS_DIR}/step_* folders")
         return require_intact(Path(resume), checksums, log)
     candidates = list_checkpoints(root)[::-1]
     named = _pointer_target(root)
