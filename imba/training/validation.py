@@ -127,8 +127,9 @@ class Validator:
                 counts.index_add_(0, slot[keep], torch.ones_like(mse[keep]))
         del model
         totals = self.accelerator.reduce(torch.stack([sums, counts]), reduction="sum")
-        means = (totals[0] / totals[1]).tolist()  # 0/0: a bucket without samples is NaN
+        means = (totals[0] / totals[1]).tolist()
         names = ["val/loss", *(f"val/loss_t{q + 1}" for q in range(QUARTERS))]
         if self.has_buckets:
             names += [f"val/loss_{b}" for b in BUCKETS]
-        return dict(zip(names, means))
+        # a noise quarter or bucket without samples has no mean: left out, not logged as null
+        return {name: mean for name, mean, count in zip(names, means, totals[1].tolist()) if count > 0}
