@@ -121,8 +121,8 @@ def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank:
 def build_optimizer(cfg: Config, parameters, num_processes: int):
     """AdamW over the parameters that train (LoRA: the adapters alone) and its constant-with-warm-up schedule."""
     o = cfg.optim
-    optimizer = torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                                  eps=o.adam_eps)
+    optimizer = torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=o.lr, weight_decay=o.weight_decay,
+                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=o.warmup_steps * num_processes)
     return optimizer, lr_scheduler

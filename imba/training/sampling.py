@@ -29,7 +29,8 @@ def prompts_from_data(cfg: Config, sources: list[Source]) -> tuple[list[str], st
     pools = [("data.val_shards", [expand_urls(cfg.data.val_shards)])] if cfg.data.val_shards else []
     pools.append(("the training shards", sources))
     for where, shards in pools:
-        captions = list(dict.fromkeys(c.strip() for c in sample_captions(shards, cfg.data.caption_field) if c.strip()))
+        read = sample_captions(shards, cfg.data.caption_field)
+        captions = list(dict.fromkeys(c.strip() for c in read if c.strip()))
         if captions:
             n, k = len(captions), min(GRID_PROMPTS, len(captions))
             picked = [captions[round(i * (n - 1) / (k - 1))] if k > 1 else captions[0] for i in range(k)]

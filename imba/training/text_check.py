@@ -28,7 +28,8 @@ WARN_UNKNOWN = 0.05
 WARN_TRUNCATED = 0.25  # share of captions cut short that warns
 
 
-def sample_captions(sources: list[Source] | list[list[str]], caption_field: str, per_source: int = SAMPLE) -> list[str]:
+def sample_captions(sources: list[Source] | list[list[str]], caption_field: str,
+                    per_source: int = SAMPLE) -> list[str]:
     """The first `per_source` captions of each source (a `Source`, or a list of shard URLs), its shards in order, no
     image read."""
     def captions(urls: list[str]):
