@@ -109,14 +109,15 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
              "A stock diffusers pipeline folder: it loads without any code from the training project.", "",
              "```python", f"from diffusers import {pipeline}", "",
              f'pipe = {pipeline}.from_pretrained("<this folder or its Hub id>")',
-             f'image = pipe("{cfg.sample.prompts[0]}", height={cfg.data.resolution}, width={cfg.data.resolution}, '
+             f'image = pipe("{(cfg.sample.prompts or ["a photo"])[0]}", height={cfg.data.resolution}, width={cfg.data.resolution}, '
              f"max_sequence_length={cfg.model.max_text_tokens}, use_resolution_binning=False).images[0]", "```", "",
              "## Training", "",
              "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     if has_grid:
         lines += ["## Samples", "", f"The run's last grid (EMA weights, guidance {cfg.sample.guidance_scale:g}, "
-                  f"{cfg.sample.steps} sampling steps), prompts in order: "
-                  + "; ".join(f"“{p}”" for p in cfg.sample.prompts) + ".", "", f"![samples]({GRID_FILE})", ""]
+                  f"{cfg.sample.steps} sampling steps), each image labelled with its prompt"
+                  + (": " + "; ".join(f"“{p}”" for p in cfg.sample.prompts) if cfg.sample.prompts else "") + ".",
+                  "", f"![samples]({GRID_FILE})", ""]
     return "\n".join(lines)
 
 
