@@ -1,19 +1,14 @@
 """LoRA fine-tuning (model.lora_rank, models/lora.py): adapters that start at the base model, train alone, merge into
 a stock transformer, export as a peft adapter folder that loads onto the base, and resume like any run."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from imba.training.config import ConfigError, load_config
 from models.dit import build_transformer, predict
 from models.lora import add_lora, describe, has_lora, merged_state_dict, save_adapter
+from test_train_e2e import run_train
 
-REPO = Path(__file__).resolve().parents[1]
 TARGETS = ["to_q", "to_v", "ff.net.2"]
 
 
@@ -110,14 +105,6 @@ TINY_RUN = [
     "train.log_every=1", "train.sample_every=0", "sample.steps=2", "sample.prompts=[a red circle, a blue square]",
     "optim.warmup_steps=1", "train.trackers=none",
 ]
-
-
-def run_train(args, cwd):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 @pytest.mark.slow
