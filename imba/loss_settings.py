@@ -25,9 +25,13 @@ class LossConfig:
     # literal: cond + uncond passes with grad on every sample (≈ 2× a plain step); efficient: unbiased estimator of
     # the same gradient, caption dropout 1 - lam + no-grad uncond pass on the kept samples (≈ 1.3×)
     estimator: str = "literal"
+    # min-SNR weighting of each sample's loss, min(SNR, γ) / SNR (γ = 5 in its paper): 0 = off; ε-prediction only
+    # (objective.kind=ddpm); with IMBA it multiplies IMBA's own weights
+    min_snr_gamma: float = 0.0
 
     CHOICES: ClassVar[dict] = {"kind": LOSS_KINDS, "distance": DISTANCES, "reference": REFERENCES,
                                "normalize": NORMALIZATIONS, "estimator": ESTIMATORS}
+    RANGES: ClassVar[dict] = {"min_snr_gamma": ">= 0 (0 = off)"}
 
     def kwargs(self) -> dict:
         """Keyword arguments of `TrainingLoss` (the run adds the patch size and how ranks share the loss's state)."""

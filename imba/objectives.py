@@ -30,6 +30,9 @@ class NoisedBatch:
     noisy: torch.Tensor  # x_t, (B, C, H, W)
     timesteps: torch.Tensor  # (B,), what the DiT receives as `timestep`
     target: torch.Tensor  # regression target, (B, C, H, W)
+    # (B,) signal-to-noise ratio ᾱ_t / (1 − ᾱ_t) of each row's noise level where the target is the noise ε (what
+    # min-SNR weighting reads, `TrainingLoss(min_snr_gamma=)`); None for other targets
+    snr: torch.Tensor | None = None
 
 
 # The beta schedules that both diffusers' DDPMScheduler (training) and DPMSolverMultistepScheduler (sampling, the
@@ -61,7 +64,8 @@ class DDPMEpsilon:
         t = torch.randint(0, self.num_train_timesteps, (b,), generator=generator,
                           device=latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, t)
-        return NoisedBatch(noisy=noisy, timesteps=t, target=noise)
+        alpha_bar = self.noise_scheduler.alphas_cumprod.to(latents.device)[t]
+        return NoisedBatch(noisy=noisy, timesteps=t, target=noise, snr=alpha_bar / (1 - alpha_bar))
 
     def sampling_scheduler(self) -> DPMSolverMultistepScheduler:
         from diffusers import DPMSolverMultistepScheduler

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from imba.loss import IMBALoss, LossStats, plain_loss
+from imba.loss import IMBALoss, LossSettingError, LossStats, plain_loss
 from imba.objectives import NoisedBatch
 
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -31,8 +31,11 @@ ESTIMATORS = ("literal", "efficient")
 class TrainingLoss:
     def __init__(self, kind: str = "imba", gamma: float = 0.8, lam: float = 0.9, patch_size: int = 2,
                  distance: str = "mse", reference: str = "target", normalize: str = "none",
-                 estimator: str = "literal", same_passes_on_every_rank: bool = False, timestep_reduce="auto"):
-        """`same_passes_on_every_rank`: run the same forward passes whatever the batch draws. Under DeepSpeed
+                 estimator: str = "literal", same_passes_on_every_rank: bool = False, timestep_reduce="auto",
+                 min_snr_gamma: float = 0.0):
+        """`min_snr_gamma` γ > 0: min-SNR weighting (Hang et al., 2023), each sample's loss times min(SNR, γ) / SNR,
+        which caps the weight of the nearly clean timesteps; ε-prediction only (the batch's `snr`), 0 = off.
+        `same_passes_on_every_rank`: run the same forward passes whatever the batch draws. Under DeepSpeed
         ZeRO-3 every forward gathers the parameters from all ranks, so no rank may skip one (the efficient
         estimator's no-grad pass then runs on all B rows instead of the kept ones).
         `timestep_reduce`: how `normalize="timestep_mean"` sums its bins over processes (`TimestepMean`): "auto"
@@ -41,8 +44,11 @@ class TrainingLoss:
             raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"unknown IMBA estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+        if not min_snr_gamma >= 0:
+            raise LossSettingError("min_snr_gamma", f"must be >= 0 (0 = off), got {min_snr_gamma}")
         self.kind = kind
         self.estimator = estimator
+        self.min_snr_gamma = min_snr_gamma
         self.lam = lam
         self.same_passes_on_every_rank = same_passes_on_every_rank
         self.imba = IMBALoss(gamma=gamma, lam=lam, patch_size=patch_size, distance=distance, reference=reference,
@@ -64,6 +70,8 @@ class TrainingLoss:
         """Loss and stats of one batch. `drop` (bool, (B,)) fixes which rows get the null caption (plain and
         efficient only); by default it is drawn with probability 1 − λ per row. `sample_weights` (B,) weigh each
         sample's loss (offline re-balancing, min-SNR); IMBA applies them on top of its own token weights."""
+        if self.min_snr_gamma:
+            sample_weights = _times(sample_weights, min_snr_weights(noised, self.min_snr_gamma))
         if drop is None and (self.kind == "plain" or self.estimator == "efficient"):
             drop = self.imba.draw_drop_mask(noised.noisy.shape[0], generator=generator, device=cond[0].device)
         if self.kind == "plain":
@@ -99,6 +107,20 @@ class TrainingLoss:
             pred_uncond = self.imba.efficient_uncond(pred, uncond_kept, drop)
         return self.imba(pred, pred_uncond, noised.target, drop=drop, timesteps=noised.timesteps,
                          sample_weights=sample_weights)
+
+
+def min_snr_weights(noised: NoisedBatch, gamma: float) -> torch.Tensor:
+    """min(SNR, γ) / SNR per row of an ε-prediction batch (its `snr`); refused for a batch without one."""
+    snr = getattr(noised, "snr", None)
+    if snr is None:
+        raise ValueError("min_snr_gamma needs the batch's SNR, which ε-prediction objectives give (NoisedBatch.snr; "
+                         "objective.kind=ddpm): a flow objective weights timesteps by how it samples them")
+    snr = snr.float()
+    return snr.clamp(max=gamma) / snr
+
+
+def _times(weights: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if weights is None else weights * more.to(weights.dtype)
 
 
 def _null_where_dropped(drop: torch.Tensor, cond, null):

@@ -373,3 +373,50 @@ def test_captions_that_already_hold_the_null_caption_are_refused(text):
     allowing = NullCaption.encode(tokenizer, encoder, max_length=8, allow_empty_captions=True).to("cpu")
     both, both_mask = allowing.cat(embeds, tokens.attention_mask)
     assert torch.equal(both[:2], embeds) and torch.equal(both[2:], allowing.expand(2, like=(embeds, tokens.attention_mask))[0])
+
+
+def test_min_snr_weights_each_sample_by_min_snr_gamma_over_snr_on_top_of_its_weights():
+    from imba.objectives import DDPMEpsilon, NoisedBatch
+    from imba.training_loss import TrainingLoss, min_snr_weights
+
+    torch.manual_seed(0)
+    latents = torch.randn(6, 4, 4, 4)
+    noised = DDPMEpsilon().noise(latents, generator=torch.Generator().manual_seed(1))
+    schedule = DDPMEpsilon().noise_scheduler.alphas_cumprod
+    # the SNR of each row's timestep, ᾱ / (1 − ᾱ), from the schedule itself
+    torch.testing.assert_close(noised.snr, schedule[noised.timesteps] / (1 - schedule[noised.timesteps]))
+    noised.snr = torch.tensor([0.5, 1.0, 4.0, 5.0, 20.0, 1e4])
+    weights = min_snr_weights(noised, 5.0)
+    torch.testing.assert_close(weights, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.25, 5e-4]))
+
+    def predict(noisy, timesteps, embeds, mask):
+        return noisy * 0.5
+
+    cond = (torch.randn(6, 3, 8), torch.ones(6, 3, dtype=torch.long))
+    null = (torch.zeros(6, 3, 8), torch.ones(6, 3, dtype=torch.long))
+    keep = torch.zeros(6, dtype=torch.bool)
+    extra = torch.tensor([1.0, 2.0, 1.0, 1.0, 2.0, 1.0])
+    for kind in ("plain", "imba"):
+        plain = TrainingLoss(kind=kind, estimator="efficient", lam=1.0)
+        snr = TrainingLoss(kind=kind, estimator="efficient", lam=1.0, min_snr_gamma=5.0)
+        # the same as giving min(SNR, γ) / SNR as sample weights, and multiplied with weights given
+        expected, _ = plain(predict, noised, cond, null, drop=keep, sample_weights=weights * extra)
+        got, _ = snr(predict, noised, cond, null, drop=keep, sample_weights=extra)
+        torch.testing.assert_close(got, expected)
+        assert not torch.allclose(got, plain(predict, noised, cond, null, drop=keep, sample_weights=extra)[0])
+    flow = NoisedBatch(noisy=latents, timesteps=torch.rand(6) * 1000, target=latents)  # no SNR: not ε-prediction
+    with pytest.raises(ValueError, match="min_snr_gamma needs the batch's SNR"):
+        TrainingLoss(kind="plain", min_snr_gamma=5.0)(predict, flow, cond, null)
+    with pytest.raises(ValueError, match="min_snr_gamma must be >= 0"):
+        TrainingLoss(min_snr_gamma=-1.0)
+
+
+def test_min_snr_is_refused_with_a_flow_objective_in_one_line():
+    from imba.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"loss.min_snr_gamma weights ε-prediction \(objective.kind=ddpm\), not "
+                                          r"objective.kind=flow"):
+        load_config(["loss.min_snr_gamma=5"])
+    assert load_config(["loss.min_snr_gamma=5", "objective.kind=ddpm"]).loss.min_snr_gamma == 5.0
+    with pytest.raises(ConfigError, match="min_snr_gamma"):
+        load_config(["loss.min_snr_gamma=-1", "objective.kind=ddpm"])

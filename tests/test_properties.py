@@ -169,7 +169,8 @@ def valid_override(draw) -> tuple[str, str, typing.Any]:
 @given(valid_override())
 def test_valid_values_are_applied_exactly(override):
     key, text, value = override
-    needs = {"model.lora_rank": ["model.pretrained=some/export"]}  # LoRA adapts trained weights
+    # settings valid only beside another: LoRA adapts trained weights, min-SNR weights ε-prediction
+    needs = {"model.lora_rank": ["model.pretrained=some/export"], "loss.min_snr_gamma": ["objective.kind=ddpm"]}
     cfg = load_config([*needs.get(key, []), f"{key}={text}"])
     section, name = key.split(".")
     got = getattr(getattr(cfg, section), name)

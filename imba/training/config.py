@@ -362,7 +362,8 @@ RANGES = {f"{section}.{name}": _Range.parse(spec) for section, kind in _SECTIONS
 
 
 def _validate(cfg: Config) -> None:
-    """Each section's ranges, then each section's own checks (`check()`, across its fields)."""
+    """Each section's ranges, then each section's own checks (`check()`, across its fields), then the checks across
+    sections."""
     for key, allowed in RANGES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -375,6 +376,11 @@ def _validate(cfg: Config) -> None:
                 check()
             except ValueError as err:
                 raise ConfigError(str(err)) from err
+    # across sections
+    if cfg.loss.min_snr_gamma and cfg.objective.kind != "ddpm":
+        raise ConfigError(f"loss.min_snr_gamma weights ε-prediction (objective.kind=ddpm), not "
+                          f"objective.kind={cfg.objective.kind}: a flow objective weights its timesteps by how it "
+                          "samples them (objective.logit_mean, logit_std, shift)")
 
 
 USAGE = """usage: python train.py [--config FILE] [--resume latest|CHECKPOINT] [section.key=value ...]

@@ -62,11 +62,12 @@ def _data_line(cfg: Config) -> str:
 
 def _loss_line(cfg: Config) -> str:
     loss = cfg.loss
+    snr = f", min-SNR weighting γ = {loss.min_snr_gamma:g}" if loss.min_snr_gamma else ""
     if loss.kind == "plain":
-        return f"plain diffusion MSE with caption dropout {1 - loss.lam:g}"
+        return f"plain diffusion MSE with caption dropout {1 - loss.lam:g}{snr}"
     level = "token level" if loss.kind == "imba" else "sample level"
     return (f"IMBA ({level}): γ = {loss.gamma:g}, λ = {loss.lam:g}, distance {loss.distance}, reference "
-            f"{loss.reference}, normalisation {loss.normalize}, estimator {loss.estimator}")
+            f"{loss.reference}, normalisation {loss.normalize}, estimator {loss.estimator}{snr}")
 
 
 def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: bool = False,
