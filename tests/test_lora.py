@@ -49,7 +49,16 @@ def test_adapters_start_at_the_base_model_and_are_all_that_trains():
     adapted = {n.rsplit(".lora_", 1)[0] for n in trained}
     assert adapted == {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)
                        and any(n.endswith(f".{t}") for t in TARGETS)}
-    assert "of which" in describe(model) and "of which" not in describe(base)
+    # micro at 4 × 4 latents with 8-d text: rank 4 × (96 in + 96 out) on 3 layers × 2 attentions (to_q, to_v) and
+    # 1 feed-forward (ff.net.2: 384 in) per block, 4 blocks
+    adapters = 4 * (2 * 2 * 4 * (96 + 96) + 4 * (384 + 96))
+    total = sum(p.numel() for p in base.parameters()) + adapters
+    assert describe(model) == f"{total:,} parameters, of which {adapters:,} train ({100 * adapters / total:.2f} %, LoRA)"
+    assert describe(base) == f"{total - adapters:,} parameters"
+    # training mode changes nothing: the adapters have no dropout
+    perturb_adapters(model)
+    with torch.no_grad():
+        torch.testing.assert_close(predict(model.train(), *inputs()), out(model), rtol=0, atol=0)
 
 
 def test_a_target_that_names_no_linear_layer_is_refused():
@@ -80,11 +89,29 @@ def test_the_adapter_folder_loads_onto_the_base_model_with_peft(tmp_path):
 
     model = add_lora(tiny_dit(), rank=4, alpha=6, targets=TARGETS)
     perturb_adapters(model)
-    folder = save_adapter(model, tmp_path / "lora", rank=4, alpha=6, targets=TARGETS, base="base-export")
+    folder = save_adapter(model, tmp_path / "export" / "lora", rank=4, alpha=6, targets=TARGETS, base="base-export")
     assert {p.name for p in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     loaded = PeftModel.from_pretrained(tiny_dit(), folder)
     torch.testing.assert_close(out(loaded.get_base_model()), out(model), rtol=1e-5, atol=1e-5)
-    assert loaded.peft_config["default"].base_model_name_or_path == "base-export"
+    config = loaded.peft_config["default"]
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (4, 6, 0.0)
+    assert config.base_model_name_or_path == "base-export"
+
+    # weights given apart from the model (the EMA's) are the ones saved; a second save replaces the first
+    doubled = [p.detach() * 2 if "lora_B" in n else p.detach() for n, p in model.named_parameters()]
+    save_adapter(model, folder, rank=4, alpha=6, targets=TARGETS, weights=doubled)
+    loaded = PeftModel.from_pretrained(tiny_dit(), folder)
+    stock = type(model).from_config(model.config)
+    stock.load_state_dict(merged_state_dict(model, doubled))
+    torch.testing.assert_close(out(loaded.get_base_model()), out(stock), rtol=1e-5, atol=1e-5)
+    assert loaded.peft_config["default"].base_model_name_or_path is None  # no base named
+
+
+def test_weights_that_do_not_match_the_parameters_are_refused():
+    model = add_lora(tiny_dit(), rank=2, alpha=0, targets=["to_q"])
+    weights = [p.detach() for p in model.parameters()]
+    with pytest.raises(ValueError):
+        merged_state_dict(model, weights[:-1])
 
 
 def test_lora_settings_are_checked_in_one_line():
