@@ -74,7 +74,7 @@ def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler, pipelin
 LABEL_LINES = 3  # a label longer than this many lines of its tile's width ends in "…"
 
 
-def _wrap(text: str, font, width: float) -> list[str]:
+def wrap_label(text: str, font, width: float) -> list[str]:
     """`text` in lines no wider than `width` pixels (a word wider than that stands alone), at most LABEL_LINES."""
     lines: list[str] = []
     for word in text.split():
@@ -97,7 +97,7 @@ def image_grid(images: list[Image.Image], columns: int | None = None,
     w, h = images[0].size
     font = ImageFont.load_default()
     line_height = font.getbbox("Ag")[3] + 2
-    wrapped = [_wrap(label, font, w - 4) for label in labels] if labels else [[] for _ in images]
+    wrapped = [wrap_label(label, font, w - 4) for label in labels] if labels else [[] for _ in images]
     label_height = max(map(len, wrapped)) * line_height + (4 if labels else 0)
     grid = Image.new("RGB", (columns * w, rows * (h + label_height)), "white")
     draw = ImageDraw.Draw(grid)

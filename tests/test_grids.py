@@ -13,7 +13,7 @@ from data.sources import Source
 from data.synthetic import write_synthetic_shards
 from imba.training.config import SYNTHETIC_PROMPTS, load_config
 from imba.training.sampling import GRID_PROMPTS, prompts_from_data
-from models.pipeline import LABEL_LINES, image_grid
+from models.pipeline import LABEL_LINES, image_grid, wrap_label
 from tests.shard_helpers import png, write_tar
 from tests.test_text_check import write_photo_shards
 
@@ -27,6 +27,28 @@ def test_a_grid_without_labels_is_its_tiles_edge_to_edge():
     assert grid.size == (3 * 64, 2 * 64)
     assert np.array_equal(np.asarray(grid)[64:128, 64:128], np.asarray(tiles(5)[4]))
     assert np.asarray(grid)[64:, 128:].min() == 255  # the missing sixth tile is white
+
+
+def test_a_label_wraps_greedily_within_its_width_and_ends_in_an_ellipsis_past_three_lines():
+    font = ImageFont.load_default()
+    words = "a photo of a tabby cat asleep on a wooden bench".split()
+    lines = wrap_label(" ".join(words), font, 80)
+    assert " ".join(lines).split() == words and len(lines) <= LABEL_LINES  # every word, in order
+    assert len(lines) == 3 and all(font.getlength(line) <= 80 for line in lines)
+    # greedy: each line's next word would not have fitted on it
+    assert all(font.getlength(f"{line} {nxt.split()[0]}") > 80 for line, nxt in zip(lines, lines[1:]))
+    assert wrap_label("a red circle", font, 1000) == ["a red circle"]
+    assert wrap_label("a red circle", font, font.getlength("a red circle")) == ["a red circle"]  # exactly fits
+    long = wrap_label(" ".join(["word"] * 40), font, 60)
+    assert len(long) == LABEL_LINES and long[-1].endswith(" …") and long[0] == long[1] != long[-1]
+    assert long[-1] == long[0] + " …"
+    assert wrap_label("one two three", font, 1) == ["one", "two", "three"]  # a word wider than the tile stands alone
+
+
+def test_a_grid_is_square_by_default():
+    grid = image_grid(tiles(9, size=16))
+    assert grid.size == (48, 48)
+    assert image_grid(tiles(10, size=16)).size == (4 * 16, 3 * 16)
 
 
 def test_each_label_is_written_under_its_own_tile_within_its_width():
@@ -64,6 +86,17 @@ def test_the_synthetic_set_samples_its_own_prompts_and_your_data_its_captions(tm
     val = write_photo_shards(tmp_path / "val", ["a dog", "a dog", "  ", "a bird"], per_shard=2)
     cfg = load_config([f"data.shards={tmp_path / 'train'}", f"data.val_shards={tmp_path / 'val'}"])
     assert prompts_from_data(cfg, [Source("train", shards)]) == (["a dog", "a bird"], "2 captions of data.val_shards")
+
+
+def test_a_single_caption_and_captions_in_another_json_field_are_found(tmp_path):
+    import json
+
+    (tmp_path / "one").mkdir()
+    path = write_tar(tmp_path / "one" / "one-000000.tar", [
+        {"__key__": f"{i:06d}", "png": png((1, 2, 3)), "json": json.dumps({"text": "a lone heron"}).encode()}
+        for i in range(3)])
+    cfg = load_config([f"data.shards={tmp_path / 'one'}", "data.caption_field=text"])
+    assert prompts_from_data(cfg, [Source("one", [path])]) == (["a lone heron"], "1 caption of the training shards")
 
 
 def test_shards_without_captions_fall_back_to_the_synthetic_prompts_and_say_so(tmp_path):

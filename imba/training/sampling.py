@@ -34,7 +34,7 @@ def prompts_from_data(cfg: Config, sources: list[Source]) -> tuple[list[str], st
         if captions:
             n, k = len(captions), min(GRID_PROMPTS, len(captions))
             picked = [captions[round(i * (n - 1) / (k - 1))] if k > 1 else captions[0] for i in range(k)]
-            return picked, f"{k} captions of {where}"
+            return picked, f"{k} caption{'s' if k > 1 else ''} of {where}"
     return list(SYNTHETIC_PROMPTS), "no shard holds a caption: the synthetic set's prompts; set sample.prompts"
 
 
