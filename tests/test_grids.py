@@ -67,6 +67,11 @@ def test_each_label_is_written_under_its_own_tile_within_its_width():
     assert inked_rows[2].max() > (LABEL_LINES - 1) * line and inked_rows[2].max() < LABEL_LINES * line + 4
     assert inked_rows[0].max() < line + 2
     assert grid.shape == (64 + LABEL_LINES * line + 4, 3 * 64, 3)
+    # a second row starts below the first row's labels
+    two_rows = np.asarray(image_grid(tiles(4), columns=3, labels=[*labels, "a fourth"]))
+    top = 64 + LABEL_LINES * line + 4
+    assert two_rows.shape[0] == 2 * top
+    assert np.array_equal(two_rows[top:top + 64, :64], np.asarray(tiles(4)[3]))
 
 
 def test_the_synthetic_set_samples_its_own_prompts_and_your_data_its_captions(tmp_path):
