@@ -241,3 +241,16 @@ def test_a_balancer_made_without_a_rank_is_the_main_process_and_carries_its_save
     resumed = made()
     resumed.load_state_dict(copy.deepcopy(state))
     assert same(window(resumed), state["balance"]["window"])
+
+
+def test_each_row_counts_in_the_noise_bin_of_its_timestep(table):
+    # timestep t of T is the noise level t / T, in bin floor(10 t / T): 700 and 900 of 1000 in bins 7 and 9 (through
+    # float32 they would fall into 6 and 8)
+    base = expected_draws_to_units(np.ones(len(table)), len(table))
+    b = OnlineBalancer(OnlineBalance(table), base, np.array([0, len(table)]), len(table), 7, every=3,
+                       fraction=1.0, lag=2, patch_size=2, num_train_timesteps=1000)
+    noised = SimpleNamespace(timesteps=torch.tensor([0, 100, 700, 900, 999]))
+    b.observe([0, 1, 2, 3, 4], {"distance_per_token": torch.ones(5, 4)}, None, noised, None)
+    b.flush()
+    assert list(np.flatnonzero(b.balance.window["bin_rows"])) == [0, 1, 7, 9]
+    assert b.balance.window["bin_rows"][9] == 2

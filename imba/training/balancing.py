@@ -75,8 +75,7 @@ class OnlineBalancer:
             rows = max(1, math.ceil(self.fraction * len(indices)))
             uncond = predict(noised.noisy[:rows], noised.timesteps[:rows], null[0][:rows], null[1][:rows])
             distance = token_distance(noised.target[:rows], uncond, self.patch_size).mean(dim=1)
-        level = noised.timesteps[:rows].float() / self.num_train_timesteps
-        self.pending.append((list(indices[:rows]), distance.float(), level))
+        self.pending.append((list(indices[:rows]), distance.float(), noised.timesteps[:rows]))
 
     def flush(self) -> None:
         """Move the rows scored since the last call into the statistics (one transfer to the host)."""
@@ -84,7 +83,8 @@ class OnlineBalancer:
             return
         indices = [i for rows, _, _ in self.pending for i in rows]
         distance = torch.cat([d for _, d, _ in self.pending]).cpu().numpy()
-        level = torch.cat([t for _, _, t in self.pending]).cpu().numpy()
+        # the noise level t / T in float64: timestep 700 of 1000 through float32 would fall into the bin below
+        level = torch.cat([t for _, _, t in self.pending]).cpu().double().numpy() / self.num_train_timesteps
         self.pending = []
         self.balance.observe(np.asarray(indices), distance, level)
 
