@@ -568,3 +568,43 @@ def test_caption_files_read_each_format_and_count_what_they_skip(tmp_path):
     with pytest.raises(ValueError, match=r"d\.json: expected a JSON list of captions or objects, got dict"):
         read("d.json", '{"caption": "x"}')
     assert list(iter_caption_file(str(tmp_path / "c.jsonl"))) == ["a red ring", "a blue cross", "a ring"]
+
+
+def _member_tar(path: Path, members: list[tuple[str, bytes]]) -> str:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_shard_captions_read_the_json_field_and_pass_over_members_of_no_sample(tmp_path, caplog):
+    def meta(caption):
+        return json.dumps({"caption": caption, "alt": f"alt {caption}"}).encode()
+
+    shard = _member_tar(tmp_path / "part-000000.tar", [
+        ("0000.json", meta("a red circle")), ("__meta__", b"not a sample"), ("0001.png", png((1, 2, 3))),
+        ("0001.json", meta("a cyan ring")), ("README", b"no extension"), ("0002.json", meta("a blue square"))])
+    assert list(C.iter_shard_captions(shard)) == ["a red circle", "a cyan ring", "a blue square"]
+    assert list(C.iter_shard_captions(shard, "alt")) == ["alt a red circle", "alt a cyan ring", "alt a blue square"]
+    # a shard cut short: what was read is kept, and every unreadable shard counts once
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(Path(shard).read_bytes()[:512 * 7 + 10])  # inside 0001.json, after the first sample
+    skipped: Counter = Counter()
+    with caplog.at_level(logging.WARNING, logger="data.concepts"):
+        for _ in range(2):
+            assert list(C.iter_shard_captions(str(bad), skipped=skipped)) == ["a red circle"]
+    assert skipped == Counter({"unreadable shard": 2})
+    message = caplog.records[0].getMessage()
+    assert message.startswith(f"skipping the rest of unreadable shard {bad}: ") and "truncated" in message
+
+
+def test_every_undecodable_line_of_a_jsonl_file_is_counted(tmp_path):
+    from data.concepts.captions import iter_caption_file
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{oops\n"a red ring"\n[unclosed\n')
+    skipped: Counter = Counter()
+    assert list(iter_caption_file(str(path), skipped=skipped)) == ["a red ring"]
+    assert skipped == Counter({"bad caption": 2})

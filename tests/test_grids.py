@@ -110,19 +110,3 @@ def test_shards_without_captions_fall_back_to_the_synthetic_prompts_and_say_so(t
     cfg = load_config([f"data.shards={tmp_path / 'bare'}"])
     prompts, where = prompts_from_data(cfg, [Source("bare", [str(path)])])
     assert prompts == SYNTHETIC_PROMPTS and "set sample.prompts" in where
-
-
-def test_a_resume_with_automatic_prompts_keeps_the_checkpoints(tmp_path):
-    from imba.training.config import save_config
-    from imba.training.setting_changes import check_resumed_settings
-
-    saved = load_config(["data.shards=x/", "sample.prompts=[a dog, a bird]"])
-    checkpoint = tmp_path / "step_0000010"
-    checkpoint.mkdir()
-    save_config(saved, checkpoint / "config.yaml")
-    now = load_config(["data.shards=x/"])
-    assert check_resumed_settings(now, checkpoint) is None  # nothing changed, nothing said
-    assert now.sample.prompts == ["a dog", "a bird"]
-    other = load_config(["data.shards=x/", "sample.prompts=[a cat]"])
-    assert "sample.prompts" in check_resumed_settings(other, checkpoint)  # an explicit change is said
-    assert other.sample.prompts == ["a cat"]

@@ -471,3 +471,51 @@ def test_the_balancer_decides_the_stream_ahead_and_resumes_it_from_its_state(tab
     positions = np.arange(80, 88)
     assert np.array_equal(a.order.samples(positions), b.order.samples(positions))
     assert not np.array_equal(a.order.samples(positions), balancer_for(table).order.samples(positions))
+
+
+def test_a_level_bin_of_one_row_has_that_rows_distance_as_its_mean(table):
+    balance = OnlineBalance(table, bins=2)
+    balance.observe([95, 96, 97], [2.0, 4.0, 4.0], [0.1, 0.6, 0.7])  # lower bin: one row, mean 2; upper: mean 4
+    balance.refresh()
+    balance.observe([0, 5], [2.0, 4.0], [0.2, 0.8])  # each at its bin's mean: n = 1 and 1
+    balance.refresh()
+    assert score(balance, "cross") == pytest.approx(1.0) and score(balance, "square") == pytest.approx(1.0)
+
+
+def test_a_row_whose_sample_has_a_single_entry_credits_it():
+    dogs = OnlineBalance(build_concept_table(["a dog", ""], default_extractor()), bins=1)
+    assert dogs.table.entries == ["dog"]
+    dogs.observe([1], [1.0], [0.0])
+    dogs.refresh()
+    dogs.observe([0, 1], [3.0, 1.0], [0.0, 0.0])  # n = 3 and 1, n̄ = 2: dog (3 + 8·2) / (9·2)
+    dogs.refresh()
+    assert dogs.running["entry_rows"][0] == FACTOR_ONE and dogs.scores()[0] == pytest.approx(19 / 18)
+    factors = dogs.sample_factors()
+    assert factors.dtype == np.int64 and list(factors) == [dogs.weights[0], FACTOR_ONE]
+
+
+def test_a_sample_index_out_of_range_is_refused(table):
+    with pytest.raises(IndexError, match="out of range for 100 samples"):
+        OnlineBalance(table).observe([100], [1.0], [0.5])
+
+
+def test_the_log_line_counts_the_boosted_entries_and_names_the_five_most_boosted(table):
+    balance = OnlineBalance(table)
+    assert balance.describe() == f"online balance: 0 refreshes, 0 of {len(table.entries)} entries boosted"
+    boosts = [1.25, 3.0, 1.5, 2.0, 1.75, 1.125]  # of entries 0 to 5
+    balance.weights[:6] = [round(b * FACTOR_ONE) for b in boosts]
+    balance.refreshes = 2
+    e = table.entries
+    assert balance.describe() == (f"online balance: 2 refreshes, 6 of {len(e)} entries boosted (most: {e[1]} 3.00x, "
+                                  f"{e[3]} 2.00x, {e[4]} 1.75x, {e[2]} 1.50x, {e[0]} 1.25x)")
+
+
+def test_a_state_saved_without_the_entries_digest_loads(table):
+    balance = OnlineBalance(table)
+    balance.observe(np.arange(10), np.ones(10), np.zeros(10))
+    balance.refresh()
+    state = balance.state_dict()
+    del state["entries_digest"]  # a state saved before the digest was: its count of entries is checked
+    loaded = OnlineBalance(table)
+    loaded.load_state_dict(state)
+    assert np.array_equal(loaded.weights, balance.weights) and loaded.refreshes == 1

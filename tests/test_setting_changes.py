@@ -111,3 +111,23 @@ def test_train_py_refuses_a_changed_preset_before_any_work_and_writes_nothing(tm
         f"error: cannot resume {saved} with changed settings: model.preset micro -> tiny (the DiT's shape). Set them "
         "back, or start a new train.output_dir (fine-tune: model.pretrained=an export of this run)")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # no synthetic set, features or config.yaml
+
+
+def test_a_setting_in_neither_table_counts_as_unsafe():
+    from imba.training.setting_changes import _judge
+
+    safe, _ = _judge("train.a_setting_added_later", 1, 2)
+    assert safe is False
+
+
+def test_prompts_left_to_auto_take_the_checkpoints_and_given_prompts_are_kept(tmp_path):
+    checkpoint = checkpoint_with(tmp_path, ["sample.prompts=[a red circle, a blue square]"])
+    auto = load_config([])
+    auto.sample.prompts = []  # left to auto
+    assert check_resumed_settings(auto, checkpoint) is None
+    assert auto.sample.prompts == ["a red circle", "a blue square"]
+    given = load_config(["sample.prompts=[a cyan ring]"])
+    assert check_resumed_settings(given, checkpoint) == (
+        "resuming with changed settings: sample.prompts [a red circle, a blue square] -> [a cyan ring] "
+        "(the grids only)")
+    assert given.sample.prompts == ["a cyan ring"]

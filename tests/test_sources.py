@@ -672,3 +672,46 @@ def test_the_entry_table_is_stored_reused_and_read_back_whole(tmp_path, monkeypa
     monkeypatch.undo()
     zebras = entry_table(index, tmp_path / "zebras", "key", lambda caption: ["zebra"], caption_field="alt_text")
     assert zebras.entries == ["zebra"]
+
+
+def test_the_plan_and_the_entry_table_read_the_caption_field_they_are_given(tmp_path):
+    from data.draw_plan import entry_table
+
+    captions = ["a red circle", "a cyan ring", "a blue square"]
+    settings = BalanceSettings("temperature", alpha=1.0)
+    for field in ("caption", "alt_text"):
+        shard = caption_shard(tmp_path / f"{field}.tar", captions, field=field)
+        index, mix = ShardIndex([{"url": shard, "nsamples": 3}]), SourceMix([Source(field, [shard])], [3])
+        by_default = plan_draws(index, mix, settings, tmp_path / field / "default")
+        named = plan_draws(index, mix, settings, tmp_path / field / "named", caption_field=field)
+        assert by_default.report["captions_without_entries"] == (0 if field == "caption" else 3)
+        assert named.report["captions_without_entries"] == 0
+        table = entry_table(index, tmp_path / field / "entries", "key")
+        assert sum(map(len, (table.sample_entries(i) for i in range(3)))) == (9 if field == "caption" else 0)
+
+
+def test_balance_settings_refuse_what_cannot_be_used_and_describe_what_they_use():
+    for bad, message in [(BalanceSettings("inverse"), "must be one of none, temperature, cap, got 'inverse'"),
+                         (BalanceSettings("temperature", alpha=-0.5), "data.balance_alpha must be >= 0"),
+                         (BalanceSettings("temperature", alpha=float("nan")), "data.balance_alpha must be >= 0"),
+                         (BalanceSettings("cap", cap=0), "data.balance=cap needs data.balance_cap=T >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            bad.check()
+    for good in (BalanceSettings("cap", cap=1), BalanceSettings("temperature", alpha=0.0), BalanceSettings("none"),
+                 BalanceSettings("none", alpha=-1.0, cap=0)):  # a method's own parameter only
+        good.check()
+    assert BalanceSettings("cap", cap=5, alpha=2.0).as_dict() == {"method": "cap", "cap": 5}
+    assert BalanceSettings("temperature", alpha=0.7, cap=3).as_dict() == {"method": "temperature", "alpha": 0.7}
+    assert BalanceSettings("none", alpha=0.7, cap=3).as_dict() == {"method": "none"}
+
+
+def test_the_most_boosted_combinations_come_first_whatever_their_count(tmp_path):
+    # each red square shares its sample with a combination of one sample: boosted as much as they are (4x the
+    # head, the yellow triangles), though it is in 3 samples and the blue circle, boosted 2x, in 2
+    captions = (["a red square and a green star", "a red square and a cyan ring", "a red square and a black cross"]
+                + ["a blue circle"] * 2 + ["a yellow triangle"] * 4)
+    index, mix = one_source(len(captions))
+    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=lambda: iter(captions))
+    assert [row[0] for row in plan.report["most_boosted_combinations"]] == [
+        "black:cross", "cross + square", "cyan:ring", "green:star", "ring + square", "square + star",  # 1 sample each
+        "red:square", "blue:circle", "yellow:triangle"]

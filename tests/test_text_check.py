@@ -215,3 +215,18 @@ def test_a_transformer_alone_is_named_and_not_checked():
     assert fine_tune_source(load_config([f"model.pretrained={nano}"])) == (
         f"fine-tuning from {nano}: its transformer's weights (no tokenizer beside them to check "
         "model.text_encoder=tiny-words against)")
+
+
+def test_the_first_captions_of_each_source_are_read_from_its_caption_field(tmp_path):
+    import json
+
+    def shard(name, captions):
+        return write_tar(tmp_path / f"{name}.tar", [
+            {"__key__": f"{i:04d}", "json": json.dumps({"alt_text": c}).encode()} for i, c in enumerate(captions)])
+
+    a = [shard("a0", ["a red circle", "a cyan ring"]), shard("a1", ["a blue square"])]
+    b = [shard("b0", ["a green star", "a black cross", "a red ring"])]
+    assert sample_captions([Source("a", a), b], "alt_text", per_source=2) == [
+        "a red circle", "a cyan ring", "a green star", "a black cross"]
+    assert sample_captions([a], "alt_text") == ["a red circle", "a cyan ring", "a blue square"]
+    assert sample_captions([a], "caption") == []  # no caption under that field

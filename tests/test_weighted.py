@@ -162,3 +162,11 @@ def test_weighted_buckets_are_one_global_stream_on_any_process_count(saved, now)
     assert got == stream[4 * saved:4 * saved + 10 * now]
     with pytest.raises(ValueError, match="multiple of the batch size"):
         bucket_sampler(done=4)
+
+
+def test_the_units_the_floors_leave_over_go_to_the_largest_remainders_then_the_lower_index():
+    # 1 draw over 2 : 1.5 = 599186.29 and 449389.71 units: the one unit left over goes to the second, whose
+    # remainder is the larger, not to the larger share
+    assert list(expected_draws_to_units([2.0, 1.5], 1)) == [599186, 449390]
+    # three equal remainders (1/3 each) and one unit left over: the lowest index
+    assert list(expected_draws_to_units([1.0, 1.0, 1.0], 1)) == [349526, 349525, 349525]
