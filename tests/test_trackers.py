@@ -53,7 +53,12 @@ def test_tensorboard_and_wandb_get_the_metrics_the_monitor_and_the_grids(tmp_pat
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
     assert set(MONITOR) <= set(events.Tags()["scalars"])
     grids = events.Images("samples")
-    assert [g.step for g in grids] == [2, 4] and (grids[0].width, grids[0].height) == (64, 64)
+    # the grid as samples/ holds it: one 64 px image with its prompt written under it
+    from PIL import Image
+
+    saved = Image.open(out / "samples" / "step_0000002.png")
+    assert [g.step for g in grids] == [2, 4] and (grids[0].width, grids[0].height) == saved.size
+    assert saved.width == 64 and saved.height > 64
 
     run_dir, = glob.glob(str(out / "wandb" / "offline-run-*"))
     history = {}
