@@ -1,6 +1,9 @@
 """LoRA fine-tuning (model.lora_rank, models/lora.py): adapters that start at the base model, train alone, merge into
 a stock transformer, export as a peft adapter folder that loads onto the base, and resume like any run."""
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,6 +11,8 @@ from imba.training.config import ConfigError, load_config
 from models.dit import build_transformer, predict
 from models.lora import add_lora, describe, has_lora, merged_state_dict, save_adapter
 from test_train_e2e import run_train
+
+REPO = Path(__file__).resolve().parents[1]
 
 TARGETS = ["to_q", "to_v", "ff.net.2"]
 
@@ -177,3 +182,18 @@ def test_a_lora_fine_tune_resumes_exactly_exports_merged_weights_and_adapters_th
                  max_sequence_length=16, generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (64, 64)
     assert "LoRA (rank 4, alpha 8" in (whole / "export" / "README.md").read_text()
+
+    # on 2 DDP processes (gloo): the ranks agree, the base stays frozen and the adapters train (each rank draws its
+    # own noise, so the weights are not the one-process run's)
+    from test_distributed import digests, launch_command, launch_env
+
+    two = tmp_path / "two"
+    proc = subprocess.run([*launch_command("ddp", 2), str(REPO / "train.py"), *lora, f"train.output_dir={two}",
+                           "train.max_steps=4", "data.batch_size=1"], cwd=tmp_path,
+                          env=launch_env({"ACCELERATE_USE_CPU": "true"}), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = digests(proc.stdout + proc.stderr)
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+    on_two = load_file(two / "export" / weights)
+    assert all(torch.equal(before[k], on_two[k]) for k in before if k not in adapted)
+    assert any(not torch.equal(before[k], on_two[k]) for k in adapted if k.endswith(".weight"))
