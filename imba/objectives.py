@@ -64,8 +64,9 @@ class DDPMEpsilon:
         t = torch.randint(0, self.num_train_timesteps, (b,), generator=generator,
                           device=latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, t)
-        alpha_bar = self.noise_scheduler.alphas_cumprod.to(latents.device)[t]
-        return NoisedBatch(noisy=noisy, timesteps=t, target=noise, snr=alpha_bar / (1 - alpha_bar))
+        from diffusers.training_utils import compute_snr
+
+        return NoisedBatch(noisy=noisy, timesteps=t, target=noise, snr=compute_snr(self.noise_scheduler, t))
 
     def sampling_scheduler(self) -> DPMSolverMultistepScheduler:
         from diffusers import DPMSolverMultistepScheduler

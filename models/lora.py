@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
@@ -86,7 +86,7 @@ def save_adapter(model: torch.nn.Module, folder: Path, rank: int, alpha: float, 
     config = lora_config(rank, alpha, targets)
     config.base_model_name_or_path = base or None
     config.save_pretrained(str(folder))
-    state = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): w.detach().float().contiguous().cpu()
-             for name, w in _named(model, weights).items() if ".lora_A." in name or ".lora_B." in name}
-    save_file(state, str(folder / "adapter_model.safetensors"))
+    state = get_peft_model_state_dict(model, state_dict=_named(model, weights), adapter_name=ADAPTER)
+    save_file({PEFT_PREFIX + k: w.detach().float().contiguous().cpu() for k, w in state.items()},
+              str(folder / "adapter_model.safetensors"))
     return folder
