@@ -4,7 +4,9 @@ process count, and exact continuation from a sample count."""
 import numpy as np
 import pytest
 
-from data.weighted import UNIT, StreamBatchSampler, WeightedBucketSampler, WeightedOrder, expected_draws_to_units
+from data.seeds import derive_seed
+from data.weighted import (UNIT, SegmentedOrder, StreamBatchSampler, WeightedBucketSampler, WeightedOrder, _round_to_total,
+                           expected_draws_to_units, reweighted_units)
 
 
 def order_for(expected, samples_per_epoch, seed=0):
@@ -170,3 +172,178 @@ def test_the_units_the_floors_leave_over_go_to_the_largest_remainders_then_the_l
     assert list(expected_draws_to_units([2.0, 1.5], 1)) == [599186, 449390]
     # three equal remainders (1/3 each) and one unit left over: the lowest index
     assert list(expected_draws_to_units([1.0, 1.0, 1.0], 1)) == [349526, 349525, 349525]
+
+
+# A checkpoint records how many samples the run consumed, not the samples: a resumed run recomputes its stream. A
+# later version that drew another stream for the same settings (another key, epoch offset, rounding or bucket rule)
+# would replay or skip data in every run it resumes, without a sign. These streams were drawn by the code that
+# introduced them; changing one is changing what every resumed run trains on, and must be deliberate.
+STREAM_UNITS = [0.5, 1.5, 3.0, 0.25, 0.75, 2.0]  # expected draws in epochs of 8
+BUCKET_IDS = [0, 0, 2, 1, 0, 2, 1, 0, 2, 1]  # bucket 1 gets less than a batch, bucket 3 has no sample
+BUCKET_UNITS = [1, 2, 1, 0.2, 1, 1, 0.2, 2, 1, 0.2]  # expected draws in epochs of 20
+BUCKETS = [(8, 16), (16, 8), (12, 12), (16, 16)]
+
+
+def test_the_stream_is_the_same_in_every_version():
+    units = expected_draws_to_units(STREAM_UNITS, 8)
+    assert WeightedOrder(units, 8).samples(np.arange(20)).tolist() == [
+        1, 2, 5, 4, 1, 2, 2, 5, 2, 2, 2, 5, 3, 1, 5, 1, 2, 2, 0, 2]
+    assert WeightedOrder(units, 8, seed=7).samples(np.arange(20)).tolist() == [
+        2, 2, 4, 5, 1, 0, 2, 5, 1, 4, 1, 5, 5, 2, 2, 2, 0, 2, 5, 2]
+    segmented = SegmentedOrder(units, 8, seed=7)
+    segmented.add(10, expected_draws_to_units([3.0, 0.5, 0.5, 1.0, 1.0, 2.0], 8))
+    assert segmented.samples(np.arange(20)).tolist() == [
+        2, 2, 4, 5, 1, 0, 2, 5, 1, 4, 4, 1, 0, 5, 3, 0, 0, 0, 3, 0]
+    sampler = StreamBatchSampler(WeightedOrder(units, 8, seed=7), 3, rank=1, world_size=2, samples_done=6)
+    assert sampler.batch_indices(2) == [1, 5, 4]
+
+    bucket_units = expected_draws_to_units(BUCKET_UNITS, 20)
+    buckets = WeightedBucketSampler(bucket_units, 20, np.array(BUCKET_IDS), BUCKETS, 3)
+    assert [(list(b), b.size) for b in (buckets.batch_indices(t) for t in range(6))] == [
+        ([1, 7, 4], (8, 16)), ([7, 7, 1], (8, 16)), ([2, 5, 5], (12, 12)), ([8, 8, 2], (12, 12)),
+        ([1, 4, 0], (8, 16)), ([7, 0, 7], (8, 16))]
+    resumed = WeightedBucketSampler(bucket_units, 20, np.array(BUCKET_IDS), BUCKETS, 3, seed=7, rank=1, world_size=2,
+                                    samples_done=6)
+    assert [(list(b), b.size) for b in (resumed.batch_indices(t) for t in range(3))] == [
+        ([0, 4, 1], (8, 16)), ([2, 2, 8], (12, 12)), ([4, 7, 0], (8, 16))]
+
+
+def test_every_batch_holds_batch_size_samples_and_iterating_gives_batch_after_batch():
+    order = order_for(np.linspace(0.2, 4.0, 37), 61)
+    sampler = StreamBatchSampler(order, 4, rank=1, world_size=3, samples_done=8)
+    stream = iter(sampler)
+    for t in range(6):
+        batch = next(stream)
+        assert batch == sampler.batch_indices(t) and len(batch) == 4
+        first = 8 + (t * 3 + 1) * 4
+        assert batch == order.samples(np.arange(first, first + 4)).tolist()
+    buckets, _, _ = bucket_sampler(world=2, rank=1, done=6)
+    stream = iter(buckets)
+    for t in range(6):
+        batch = next(stream)
+        assert batch == buckets.batch_indices(t) and batch.size == buckets.batch_indices(t).size and len(batch) == 3
+
+
+def test_the_samplers_tell_the_loader_their_epoch_and_seed():
+    """What a loader reads of any sampler (`data.indexed`): the sample count it was made for, the seed of its worker
+    generator, the batch its counting starts at, and each rank's batches per epoch (the epoch's global batches over
+    the processes, rounded down, at least 1)."""
+    order = order_for(np.linspace(0.2, 4.0, 37), 61, seed=9)
+    sampler = StreamBatchSampler(order, 4, rank=1, world_size=3, samples_done=12)
+    assert (sampler.num_samples, sampler.seed, sampler.start_batch, sampler.batches_per_epoch) == (37, 9, 0, 5)
+    assert StreamBatchSampler(order, 32, world_size=2).batches_per_epoch == 1  # 61 // 64 = 0: at least 1
+    buckets, _, _ = bucket_sampler(world=2, rank=1, done=6, seed=4)
+    assert (buckets.num_samples, buckets.seed, buckets.start_batch) == (90, 4, 0)
+    assert buckets.batches_per_epoch == buckets.total_batches // 2
+    single = WeightedBucketSampler(expected_draws_to_units([1.0, 2.0], 3), 3, np.zeros(2), [(8, 8)], 3, world_size=2)
+    assert single.total_batches == 1 and single.batches_per_epoch == 1
+
+
+def test_each_epoch_of_a_bucket_is_its_own_weighted_order_cut_into_batches():
+    """Per epoch bucket b's batches hold the first S_b - S_b % batch_size draws of its own weighted order's epoch
+    (S_b draws, its samples' units rescaled), each batch appearing once in the epoch's global batches; a bucket
+    with fewer draws than a batch, or with no sample, gets no batch."""
+    bucket_units = expected_draws_to_units(BUCKET_UNITS, 20)
+    ids = np.array(BUCKET_IDS)
+    sampler = WeightedBucketSampler(bucket_units, 20, ids, BUCKETS, 3, seed=2)
+    # shares of the 20 draws: 6 / 0.6 / 3 / 0 expected draws of 9.6 -> 12.5, 1.25, 6.25, 0; the one draw the floors
+    # leave goes to the largest remainder
+    assert sampler.draws_per_bucket.tolist() == [13, 1, 6, 0]
+    assert sampler.bucket_batches.tolist() == [4, 0, 2, 0] and sampler.total_batches == 6
+    assert sampler.describe() == "8x16: 13, 12x12: 6"
+    for epoch in range(4):
+        batches = [sampler.batch_indices(t) for t in range(epoch * 6, (epoch + 1) * 6)]
+        for b, size in ((0, (8, 16)), (2, (12, 12))):
+            members = np.flatnonzero(ids == b)
+            draws = int(sampler.draws_per_bucket[b])
+            own = WeightedOrder(expected_draws_to_units(bucket_units[members], draws), draws,
+                                seed=derive_seed("bucket-order", 2, b))
+            kept = draws - draws % 3
+            want = sorted(members[own.samples(np.arange(epoch * draws, epoch * draws + kept))].tolist())
+            got = sorted(i for batch in batches if batch.size == size for i in batch)
+            assert got == want, (epoch, b)
+        assert not any(batch.size in ((16, 8), (16, 16)) for batch in batches)
+
+
+def test_bucket_draws_go_to_the_largest_remainders_then_the_lower_bucket():
+    def draws(expected, epoch, ids):
+        units = expected_draws_to_units(expected, epoch)
+        return WeightedBucketSampler(units, epoch, np.array(ids), [(8, 8), (16, 16)], 1).draws_per_bucket.tolist()
+
+    assert draws([3.2, 1.8], 5, [0, 1]) == [3, 2]  # the remainder 0.8 beats 0.2, though bucket 0's share is larger
+    assert draws([1.5, 1.5], 3, [0, 1]) == [2, 1]  # equal remainders: the lower bucket
+    assert draws([1.0, 1.0], 2, [0, 0]) == [2, 0]  # a bucket without samples gets nothing
+
+
+def test_bad_bucket_samplers_are_refused():
+    units = expected_draws_to_units([1.0, 1.0, 1.0, 1.0], 4)
+    ids = np.array([0, 0, 1, 1])
+    WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 1)  # the defaults: one process from the start
+    for bad in (dict(rank=2, world_size=2), dict(world_size=0), dict(samples_done=-2), dict(samples_done=3)):
+        with pytest.raises(ValueError):
+            WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 2, **bad)
+    with pytest.raises(ValueError):
+        WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 0)
+    with pytest.raises(ValueError, match="3 bucket ids for 4 samples"):
+        WeightedBucketSampler(units, 4, ids[:3], [(8, 8), (16, 16)], 1)
+    with pytest.raises(ValueError, match="no aspect-ratio bucket gets a full batch of 3 of the epoch's 4 draws"):
+        WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 3)
+    assert WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 2).total_batches == 2  # draws == batch: drawn
+
+
+def test_stream_samplers_refuse_what_has_no_stream():
+    order = order_for([1.0, 1.0], 2)
+    StreamBatchSampler(order, 1)  # the defaults: one process from the start
+    for bad in (dict(world_size=0), dict(samples_done=-1), dict(rank=-1), dict(rank=1)):
+        with pytest.raises(ValueError):
+            StreamBatchSampler(order, 1, **bad)
+
+
+def test_the_smallest_orders_are_valid_and_the_refusals_say_why():
+    assert WeightedOrder(expected_draws_to_units([2.0], 1), 1).samples(np.arange(3)).tolist() == [0, 0, 0]
+    assert expected_draws_to_units([0.25, 0.25], 1).tolist() == [UNIT // 2, UNIT // 2]  # rescaled up to 1 draw
+    with pytest.raises(ValueError, match="need samples and samples_per_epoch >= 1"):
+        expected_draws_to_units([1.0], 0)
+    with pytest.raises(ValueError, match="finite, >= 0 and not all 0"):
+        expected_draws_to_units([np.inf, 1.0], 2)
+    with pytest.raises(ValueError, match="need samples and samples_per_epoch >= 1"):
+        WeightedOrder(np.zeros(0, np.int64), 1)
+    with pytest.raises(ValueError, match="need samples and samples_per_epoch >= 1"):
+        WeightedOrder(np.zeros(2, np.int64), 0)
+    assert reweighted_units(np.array([UNIT, UNIT]), np.array([1, 3]), [0, 2]).tolist() == [UNIT // 2, 3 * UNIT // 2]
+    with pytest.raises(ValueError, match="one factor >= 1 per sample"):
+        reweighted_units(np.array([UNIT, UNIT]), np.array([1, 0]), [0, 2])
+
+
+def test_float_rounding_above_the_total_takes_units_back_from_the_largest():
+    """`_round_to_total` is the one rounding rule of the module: floors, then the left-over units to the largest
+    remainders; when float rounding put the floors above the total, one unit each comes back from the largest
+    (ties: lower index), never below the other floors' order."""
+    assert _round_to_total(np.array([2.0, 5.0, 5.0, 1.0]), 11).tolist() == [2, 4, 4, 1]
+    assert _round_to_total(np.array([2.0, 5.0, 6.0, 1.0]), 13).tolist() == [2, 5, 5, 1]
+    assert _round_to_total(np.array([0.5, 0.5, 1.0]), 2).tolist() == [1, 0, 1]
+    assert _round_to_total(np.array([3.0, 1.0]), 4).tolist() == [3, 1]  # exact: nothing moves
+
+
+def test_a_segment_at_the_start_of_another_replaces_it_and_old_segments_are_dropped():
+    base = expected_draws_to_units(np.ones(6), 6)
+    only = [np.zeros(6, np.int64) for _ in range(6)]
+    for k in range(6):
+        only[k][k] = 6 * UNIT
+    order = SegmentedOrder(base, 6, seed=1)
+    order.add(0, only[0])  # a segment at position 0 replaces the initial one
+    assert set(order.samples(np.arange(0, 12)).tolist()) == {0}
+    for start, k in ((10, 1), (20, 2), (20, 3), (30, 4)):  # the second segment at 20 replaces the first
+        order.add(start, only[k])
+    assert order.samples(np.arange(8, 32)).tolist() == [0] * 2 + [1] * 10 + [3] * 10 + [4] * 2
+    # a long run adds a segment at every refresh: those that end before the latest request are dropped
+    order.samples(np.arange(25, 28))
+    order.add(40, only[5])
+    assert [s for s, _ in order.segments] == [20, 30, 40]
+    assert order.samples(np.arange(25, 45)).tolist() == [3] * 5 + [4] * 10 + [5] * 5
+    with pytest.raises(ValueError, match=r"position 5 is before the stream's first segment \(20\)"):
+        order.samples([5, 30])
+    with pytest.raises(ValueError, match="cannot start at position -1"):
+        order.add(-1, base)
+    with pytest.raises(ValueError, match="a segment of 5 samples in a stream of 6"):
+        order.add(50, expected_draws_to_units(np.ones(5), 6))
