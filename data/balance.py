@@ -209,5 +209,7 @@ def balance_factors(table: ConceptTable, settings: BalanceSettings, rate: np.nda
         return np.power(rarest / head, -settings.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
     keep = np.minimum(1.0, settings.cap / np.maximum(counts, 1e-300))
     log_miss = np.log1p(-np.minimum(keep, 1.0 - 1e-16))  # log(1 - p_e); p_e = 1 counts as certain
-    missed = reduce_over_entries(log_miss, table, np.add, empty=np.log1p(-min(1.0, settings.cap / head)))
+    with np.errstate(divide="ignore"):  # a cap at or above the head: p = 1, log(1 - p) = -inf, the factor 1
+        log_miss_head = np.log1p(-min(1.0, settings.cap / head))
+    missed = reduce_over_entries(log_miss, table, np.add, empty=log_miss_head)
     return -np.expm1(missed)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -93,6 +94,46 @@ def test_extraction_in_worker_processes_gives_the_same_table():
     finally:
         balance.CHUNK = chunk
     assert [one.sample_entries(i) for i in range(len(one))] == [two.sample_entries(i) for i in range(len(two))]
+
+
+def test_no_caption_gives_an_empty_table_and_captions_without_entries_the_same_factor():
+    empty = table_of([])
+    assert (len(empty), empty.entries, empty.ptr.tolist(), empty.ids.size) == (0, [], [0], 0)
+    assert empty.ptr.dtype == np.int64 and empty.ids.dtype == np.int32
+    assert entry_counts(empty).shape == (0,)
+    for settings in (BalanceSettings("temperature", alpha=1.0), BalanceSettings("cap", cap=3)):
+        assert balance_factors(empty, settings).shape == (0,)
+        blank = table_of(["", "nothing known here"])
+        assert blank.ptr.tolist() == [0, 0, 0]
+        factors = balance_factors(blank, settings)
+        assert np.all(np.isfinite(factors)) and factors[0] == factors[1] > 0
+
+
+def test_a_cap_above_every_count_keeps_every_sample_whole():
+    # cap 50 over counts of at most 3: every p_e = 1, so every factor is 1, a caption without concepts included
+    table = table_of(["a red circle", "a red circle", "a red circle", "a cyan ring", ""])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division warning for the certain p = 1
+        assert balance_factors(table, BalanceSettings("cap", cap=50)).tolist() == [1.0] * 5
+
+
+def test_a_caption_of_one_concept_is_weighted_by_its_count_and_a_plain_function_extracts_objects():
+    table = table_of(["a red circle"] * 8 + ["a dog"] * 2)
+    assert table.sample_entries(8) == ["dog"]
+    w = balance_factors(table, BalanceSettings("temperature", alpha=1.0))
+    assert w[8] == w[9] == pytest.approx(8 / 2)  # dog: 2 samples against the head's 8
+    # an extractor without `kind` or `mentions` (a plain function): every concept is an object, so pairs and no
+    # bindings
+    plain = build_concept_table(["red circle star", "star"], lambda caption: caption.split())
+    assert plain.sample_entries(0) == ["red", "circle", "star", "circle + red", "circle + star", "red + star"]
+    assert plain.sample_entries(1) == ["star"]
+
+
+def test_extraction_counts_its_captions_on_a_progress_bar(capsys):
+    table = build_concept_table(["a red circle", "", "a cyan ring"], default_extractor(), progress=True)
+    assert len(table) == 3
+    err = capsys.readouterr().err
+    assert "concepts: 3.00 captions" in err
 
 
 # ---- sources and the draw plan ----------------------------------------------------------------------------------

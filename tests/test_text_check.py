@@ -174,6 +174,30 @@ def test_the_automatic_encoder_reads_your_photos_and_a_short_sequence_warns(tmp_
                                 accelerator, sources)
 
 
+def test_the_check_reads_the_runs_caption_field_and_names_a_tokenizer_it_cannot_load(tmp_path):
+    import json
+
+    from accelerate import Accelerator
+
+    from imba.training.text_check import check_captions_readable
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    write_tar(folder / "photos-000000.tar", [
+        {"__key__": f"{i:06d}", "png": png((9, 90, 160), size=(32, 32)), "json": json.dumps({"alt": c}).encode()}
+        for i, c in enumerate(PHOTO_CAPTIONS)])
+    sources = [Source("photos", [str(folder / "photos-000000.tar")])]
+    accelerator = Accelerator(cpu=True)
+    # the captions are in the json field `alt` only: the check must read that field to judge them
+    with pytest.raises(ConfigError, match=r"^model.text_encoder=tiny-words reads \d+ of the \d+ tokens of 4 captions"):
+        check_captions_readable(load_config([f"data.shards={folder}", "data.caption_field=alt",
+                                             "model.text_encoder=tiny-words"]), accelerator, sources)
+    missing = tmp_path / "no-such-encoder"
+    with pytest.raises(ConfigError, match="cannot load the tokenizer of .*no-such-encoder"):
+        check_captions_readable(load_config([f"data.shards={folder}", "data.caption_field=alt",
+                                             f"model.text_encoder={missing}"]), accelerator, sources)
+
+
 # ---- a fine-tune reads text as the model it starts from did -----------------------------------------------
 
 

@@ -273,16 +273,24 @@ def test_bucket_draws_go_to_the_largest_remainders_then_the_lower_bucket():
     assert draws([3.2, 1.8], 5, [0, 1]) == [3, 2]  # the remainder 0.8 beats 0.2, though bucket 0's share is larger
     assert draws([1.5, 1.5], 3, [0, 1]) == [2, 1]  # equal remainders: the lower bucket
     assert draws([1.0, 1.0], 2, [0, 0]) == [2, 0]  # a bucket without samples gets nothing
+    # 40 buckets of remainders 1/4 and 3/4 in turn, 10 draws: the ten lowest of the 3/4 buckets
+    units = expected_draws_to_units(np.tile([1.0, 3.0], 20), 10)
+    many = WeightedBucketSampler(units, 10, np.arange(40), [(8, 8)] * 40, 1).draws_per_bucket
+    assert np.flatnonzero(many).tolist() == list(range(1, 20, 2))
 
 
 def test_bad_bucket_samplers_are_refused():
     units = expected_draws_to_units([1.0, 1.0, 1.0, 1.0], 4)
     ids = np.array([0, 0, 1, 1])
-    WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 1)  # the defaults: one process from the start
-    for bad in (dict(rank=2, world_size=2), dict(world_size=0), dict(samples_done=-2), dict(samples_done=3)):
-        with pytest.raises(ValueError):
+    first = WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 1)  # the defaults: one process from the start
+    explicit = WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 1, seed=0, rank=0, world_size=1, samples_done=0)
+    assert [first.batch_indices(t) for t in range(8)] == [explicit.batch_indices(t) for t in range(8)]
+    with pytest.raises(ValueError, match="rank 2 is outside world_size 2"):
+        WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 2, rank=2, world_size=2)
+    for bad in (dict(world_size=0), dict(samples_done=-2), dict(samples_done=3)):
+        with pytest.raises(ValueError, match="need batch_size >= 1, world_size >= 1 and samples_done a multiple"):
             WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 2, **bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need batch_size >= 1"):
         WeightedBucketSampler(units, 4, ids, [(8, 8), (16, 16)], 0)
     with pytest.raises(ValueError, match="3 bucket ids for 4 samples"):
         WeightedBucketSampler(units, 4, ids[:3], [(8, 8), (16, 16)], 1)
@@ -293,10 +301,14 @@ def test_bad_bucket_samplers_are_refused():
 
 def test_stream_samplers_refuse_what_has_no_stream():
     order = order_for([1.0, 1.0], 2)
-    StreamBatchSampler(order, 1)  # the defaults: one process from the start
-    for bad in (dict(world_size=0), dict(samples_done=-1), dict(rank=-1), dict(rank=1)):
-        with pytest.raises(ValueError):
+    first = StreamBatchSampler(order, 1)  # the defaults: one process from the start
+    assert [first.batch_indices(t)[0] for t in range(5)] == order.samples(np.arange(5)).tolist()
+    for bad in (dict(world_size=0), dict(samples_done=-1)):
+        with pytest.raises(ValueError, match="need batch_size >= 1, world_size >= 1, samples_done >= 0"):
             StreamBatchSampler(order, 1, **bad)
+    for rank in (-1, 1):
+        with pytest.raises(ValueError, match=f"rank {rank} is outside world_size 1"):
+            StreamBatchSampler(order, 1, rank=rank)
 
 
 def test_the_smallest_orders_are_valid_and_the_refusals_say_why():
@@ -323,6 +335,21 @@ def test_float_rounding_above_the_total_takes_units_back_from_the_largest():
     assert _round_to_total(np.array([2.0, 5.0, 6.0, 1.0]), 13).tolist() == [2, 5, 5, 1]
     assert _round_to_total(np.array([0.5, 0.5, 1.0]), 2).tolist() == [1, 0, 1]
     assert _round_to_total(np.array([3.0, 1.0]), 4).tolist() == [3, 1]  # exact: nothing moves
+    # many equal remainders (more than a sort keeps in order by chance): the lower indices, in both directions
+    up = _round_to_total(np.tile([1.2, 1.7], 30), 70)
+    assert np.flatnonzero(up == 2).tolist() == list(range(1, 20, 2))
+    down = _round_to_total(np.tile([3.0, 5.0], 30), 30 * 8 - 10)
+    assert np.flatnonzero(down == 4).tolist() == list(range(1, 20, 2))
+
+
+def test_a_draw_point_on_an_intervals_edge_takes_the_sample_that_starts_there():
+    """Sample π_e(j) owns [C_{j-1}, C_j), so a point on an edge belongs to the sample that starts there. With whole
+    expected draws and the epoch's offset u_e = 0 every draw point is on an edge: each sample is drawn exactly its
+    expected draws, and a sample of weight 0 (an empty interval) never."""
+    order = WeightedOrder(expected_draws_to_units([1.0, 0.0, 2.0, 1.0, 0.0], 4), 4, seed=129137)
+    assert order._offset(0) == 0  # seed 129137 was found by search for an offset of 0 in epoch 0
+    assert order.epoch_counts(0).tolist() == [1, 0, 2, 1, 0]
+    assert np.bincount(order.samples(np.arange(4)), minlength=5).tolist() == [1, 0, 2, 1, 0]
 
 
 def test_a_segment_at_the_start_of_another_replaces_it_and_old_segments_are_dropped():
@@ -330,19 +357,24 @@ def test_a_segment_at_the_start_of_another_replaces_it_and_old_segments_are_drop
     only = [np.zeros(6, np.int64) for _ in range(6)]
     for k in range(6):
         only[k][k] = 6 * UNIT
+    assert np.array_equal(SegmentedOrder(base, 6).samples(np.arange(20)), WeightedOrder(base, 6).samples(np.arange(20)))
+    early = SegmentedOrder(base, 6)
+    early.add(1, only[2])  # before any read: position 0 still draws by the first segment
+    assert early.samples(np.arange(3)).tolist()[1:] == [2, 2] and len(early.samples([0])) == 1
     order = SegmentedOrder(base, 6, seed=1)
     order.add(0, only[0])  # a segment at position 0 replaces the initial one
     assert set(order.samples(np.arange(0, 12)).tolist()) == {0}
     for start, k in ((10, 1), (20, 2), (20, 3), (30, 4)):  # the second segment at 20 replaces the first
         order.add(start, only[k])
+    assert [s for s, _ in order.segments] == [0, 10, 20, 30]
     assert order.samples(np.arange(8, 32)).tolist() == [0] * 2 + [1] * 10 + [3] * 10 + [4] * 2
-    # a long run adds a segment at every refresh: those that end before the latest request are dropped
-    order.samples(np.arange(25, 28))
+    # a long run adds a segment at every refresh: those that end at or before the latest request are dropped
+    order.samples(np.arange(30, 33))
     order.add(40, only[5])
-    assert [s for s, _ in order.segments] == [20, 30, 40]
-    assert order.samples(np.arange(25, 45)).tolist() == [3] * 5 + [4] * 10 + [5] * 5
-    with pytest.raises(ValueError, match=r"position 5 is before the stream's first segment \(20\)"):
-        order.samples([5, 30])
+    assert [s for s, _ in order.segments] == [30, 40]
+    assert order.samples(np.arange(30, 45)).tolist() == [4] * 10 + [5] * 5
+    with pytest.raises(ValueError, match=r"position 25 is before the stream's first segment \(30\)"):
+        order.samples([25, 30])
     with pytest.raises(ValueError, match="cannot start at position -1"):
         order.add(-1, base)
     with pytest.raises(ValueError, match="a segment of 5 samples in a stream of 6"):
