@@ -4,7 +4,7 @@ concepts and combinations it under-serves are drawn more often, and less again o
 Signal. For a scored row (a sample of a training batch), d is its IMBA distance: the mean over its tokens of
 (target − unconditional prediction)², the quantity the IMBA loss weights tokens by. d depends strongly on the noise
 level t, so each row is read relative to the running mean distance at its level: n = d / m(bin of t), over `bins`
-equal bins of t in [0, 1). A row counts once for each of its sample's entries (`data.balance.caption_entries`: its
+equal bins of t in [0, 1) (10 by default, what training uses). A row counts once for each of its sample's entries (`data.balance.caption_entries`: its
 concepts, attribute:object bindings and object pairs). Before the first refresh rows only feed the means; a row at
 a level with no mean yet is read against the mean over all levels.
 

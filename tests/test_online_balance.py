@@ -219,6 +219,12 @@ def test_a_row_is_read_against_the_mean_of_its_level_bin(table):
     assert score(balance, "square") == pytest.approx(26 / 27) and score(balance, "red") == pytest.approx(1.0)
 
 
+def test_training_reads_the_noise_level_in_tenths(table):
+    balance = OnlineBalance(table)  # as the trainer makes it: max_factor and rate given, the bins left to the default
+    balance.observe([95, 96, 97], [1.0, 2.0, 4.0], [0.05, 0.15, 0.95])
+    assert balance.bins == 10 and np.flatnonzero(balance.window["bin_rows"]).tolist() == [0, 1, 9]
+
+
 def test_a_row_at_a_level_without_a_mean_is_read_against_the_mean_over_all_levels(table):
     balance = OnlineBalance(table, bins=2)
     balance.observe([95, 96], [2.0, 4.0], [0.1, 0.2])  # only the lower bin has rows: mean 3, over all levels 3
@@ -508,6 +514,11 @@ def test_the_log_line_counts_the_boosted_entries_and_names_the_five_most_boosted
     e = table.entries
     assert balance.describe() == (f"online balance: 2 refreshes, 6 of {len(e)} entries boosted (most: {e[1]} 3.00x, "
                                   f"{e[3]} 2.00x, {e[4]} 1.75x, {e[2]} 1.50x, {e[0]} 1.25x)")
+    # equal boosts are named in the table's order, however many tie (a log line that reorders equal entries from
+    # one refresh to the next reads as a change)
+    many = OnlineBalance(build_concept_table([f"w{k}" for k in range(40)], lambda caption: [caption]))
+    many.weights[:] = np.tile([2, 3], 20) * FACTOR_ONE
+    assert many.describe().split("(most: ")[1] == "w1 3.00x, w3 3.00x, w5 3.00x, w7 3.00x, w9 3.00x)"
 
 
 def test_a_state_saved_without_the_entries_digest_loads(table):
