@@ -25,7 +25,7 @@ batch time from two drawn tiles (the first recordings' mode). Streams: long-tail
 seen pair equally often, the control a balancing method is measured against) and concept-balanced (colour and shape
 marginals uniform); balanced streams draw per object (a pair, then a slot showing it). The gap between
 `plain_balanced` and `plain` is what a balancing method can close; every other form is reported as the fraction of
-that gap it closes (bootstrap interval over seeds and pairs), at equal steps and at equal compute.
+that gap it closes (95 % interval over seeds), at equal steps and at equal compute.
 
 Streams balanced without the pair labels (fixed scenes only), the way a user of the data layer balances a real data
 set: each scene drawn in proportion to a factor set from its caption's entries (`data.balance`: concepts,
@@ -159,11 +159,11 @@ MONITOR_EVERY = 50  # steps per point of the distance-per-bucket curve
 SAMPLING_STEPS = 10
 ORACLE = REPO / "bench" / "composition_oracle.pt"  # the judge's weights; its report: the same name with .json
 ORACLE_B = REPO / "bench" / "composition_oracle_b.pt"  # a second judge (train_oracle(seed=1)): its reading beside
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086}
 # what a run's success is read from: the whole prompt or the probed half alone, by the oracle or the second one
 METRICS = ("per_pair", "per_pair_half", "per_pair_b", "per_pair_half_b")
 PROTOCOL = 2  # part of a run's settings: runs recorded before per-seed worlds and counted compute are not reused
-BOOTSTRAP = 2000
 
 
 def objective_of(variant: str) -> str:
@@ -539,7 +539,8 @@ def run_one(job: dict) -> dict:
                 curve.append({"step": step, **{b: (s / n if n else None) for b, (s, n) in window.items()}})
                 window = {b: [0.0, 0] for b in BUCKETS}
         if step in lengths:
-            train_seconds = time.perf_counter() - start
+            evaluation_start = time.perf_counter()
+            train_seconds = evaluation_start - start
             ema.store(model.parameters())
             ema.copy_to(model.parameters())
             model.eval()
@@ -560,6 +561,7 @@ def run_one(job: dict) -> dict:
                              **exposure_log(objects, tile_seen, scenes_seen, pool, world)}
             if weighted is not None:
                 results[step]["stream_factors"] = weighted.log()
+            start += time.perf_counter() - evaluation_start  # train_seconds counts training steps only
     return {"variant": variant, "seed": seed, "world": job["world"], "settings": {k: job[k] for k in JOB_SETTINGS},
             "buckets": world.bucket_of_name, "held_out": [pair_name(p) for p in world.held_out],
             "ranks": {"colour": {COLOURS[c]: r for c, r in enumerate(world.colour_rank)},
@@ -600,7 +602,7 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, 0.0
-    return mean, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def per_seed(runs: list[dict], metric: str = "per_pair") -> dict:
@@ -643,26 +645,31 @@ def bucket_rows(per_pair: dict, buckets: dict[str, str], bucket: str) -> list[fl
     return [per_pair[n] for n in names]
 
 
-def bootstrap_fraction(gains: list[list[float]], gaps: list[list[float]], resamples: int = BOOTSTRAP,
-                       seed: int = 0) -> tuple[float, float] | None:
-    """95 % percentile interval of mean(gain) / mean(gap) when seeds, and the pairs within each drawn seed, are
-    drawn again with replacement; gains[s][k], gaps[s][k]: per seed s and pair k of one bucket (paired: the same
-    draw for both). None with fewer than 2 seeds."""
-    if len(gains) < 2:
+def t_975(df: int) -> float:
+    """The 97.5 % quantile of Student's t with `df` degrees of freedom (1.96 beyond the table)."""
+    return T_975.get(df, 1.96)
+
+
+def fraction_interval(gains: list[float], gaps: list[float]) -> tuple[float, float] | None:
+    """95 % interval of the fraction mean(gain) / mean(gap) over seeds (Fieller's: the fractions f whose per-seed
+    differences gain_s - f * gap_s a paired t-test over the seeds does not reject as mean 0). gains[s], gaps[s]:
+    seed s's mean over the pairs of one bucket. The seeds are what varies between repetitions: the pairs are the
+    same ones in every seed and their spread is not a source of repetition error. None with fewer than 2 seeds, or
+    where the gap is not clearly above 0 over the seeds (the set of fractions is then unbounded)."""
+    n = len(gains)
+    if n < 2:
         return None
-    g = torch.Generator().manual_seed(seed)
-    gain, gap = torch.tensor(gains, dtype=torch.float64), torch.tensor(gaps, dtype=torch.float64)
-    n_seeds, n_pairs = gain.shape
-    seeds = torch.randint(n_seeds, (resamples, n_seeds), generator=g)
-    pairs = torch.randint(n_pairs, (resamples, n_seeds, n_pairs), generator=g)
-    pick_gain = gain[seeds[..., None], pairs].mean(dim=(1, 2))
-    pick_gap = gap[seeds[..., None], pairs].mean(dim=(1, 2))
-    ratio = pick_gain / pick_gap
-    ratio = torch.where(pick_gap > 0, ratio, torch.full_like(ratio, float("nan")))
-    if torch.isnan(ratio).float().mean() > 0.025:  # the gap itself vanishes in over 2.5 % of the draws
+    a, b = torch.tensor(gains, dtype=torch.float64), torch.tensor(gaps, dtype=torch.float64)
+    mean_a, mean_b = a.mean().item(), b.mean().item()
+    var_a, var_b = a.var().item(), b.var().item()
+    cov = ((a - mean_a) * (b - mean_b)).sum().item() / (n - 1)
+    q = t_975(n - 1) ** 2 / n
+    # (mean_a - f mean_b)^2 <= q (var_a - 2 f cov + f^2 var_b), a quadratic A f^2 - 2 B f + C <= 0
+    A, B, C = mean_b ** 2 - q * var_b, mean_a * mean_b - q * cov, mean_a ** 2 - q * var_a
+    if A <= 0:
         return None
-    lo, hi = torch.nanquantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return lo, hi
+    root = math.sqrt(max(B * B - A * C, 0.0))
+    return (B - root) / A, (B + root) / A
 
 
 def gap_closed(runs: list[dict], lengths: list[int], compute: bool, metric: str = "per_pair") -> dict:
@@ -673,7 +680,7 @@ def gap_closed(runs: list[dict], lengths: list[int], compute: bool, metric: str 
     at that length, the controls' success interpolated between their evaluations (compute=True). Per bucket: the
     variant's gain over plain (mean ± 95 % t interval of the per-seed paired differences), the gap
     (plain_balanced − plain, likewise), the fraction = mean gain / mean gap (None where the gap is not clearly
-    there: its interval reaches 0, or it is under 5 points) and its 95 % bootstrap interval over seeds and pairs."""
+    there: its interval reaches 0, or it is under 5 points) and its 95 % interval over seeds (`fraction_interval`)."""
     by_key = {(r["variant"], r["seed"]): r for r in runs}
     variants = sorted({r["variant"] for r in runs})
     out: dict = {}
@@ -713,7 +720,9 @@ def gap_closed(runs: list[dict], lengths: list[int], compute: bool, metric: str 
                 # a fraction of a gap that is not there (its CI reaches 0, or under 5 points) means nothing
                 real = gap[0] > max(gap[1], 0.05)
                 cells[bucket] = {"gain": gain, "gap": gap, "fraction": gain[0] / gap[0] if real else None,
-                                 "fraction_ci": bootstrap_fraction(gains, gaps) if real else None}
+                                 "fraction_ci": (fraction_interval([statistics.fmean(x) for x in gains],
+                                                                   [statistics.fmean(x) for x in gaps])
+                                                 if real else None)}
             out.setdefault(length, {})[variant] = {
                 "reference": statistics.fmean(refs[s][0] for s in seeds), "seeds": seeds, "buckets": cells}
     return out
@@ -847,7 +856,7 @@ def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposu
                 continue
             lines.append(f"\n**Balance gap closed, {title}, {length} steps, {METRIC_TITLES[metric]}** (gain over "
                          "plain in points ± 95 % t interval of the paired per-seed differences; closed = gain / gap "
-                         "[95 % bootstrap interval over seeds and pairs]; plain at = the controls' compute)\n")
+                         "[95 % interval over seeds, Fieller's]; plain at = the controls' compute)\n")
             lines.append("| variant | plain at | head gain | tail gap | tail gain | tail closed | held-out gap | "
                          "held-out gain | held-out closed |")
             lines.append("|---" * 9 + "|")

@@ -4,6 +4,7 @@ run."""
 import json
 import math
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -455,14 +456,20 @@ def test_at_compute_interpolates_between_evaluations_and_refuses_to_extrapolate(
     assert composition.at_compute(run, 260.0, "m") is None and composition.at_compute(run, 50.0, "m") is None
 
 
-def test_bootstrap_interval_of_a_fraction_resamples_seeds_and_pairs():
-    gains = [[0.1, 0.3], [0.2, 0.4], [0.0, 0.2]]
-    gaps = [[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]
-    lo, hi = composition.bootstrap_fraction(gains, gaps)
-    assert lo < 0.4 < hi and 0.0 <= lo and hi <= 0.8  # the mean gain 0.2 of a 0.5 gap, spread by the draws
-    assert composition.bootstrap_fraction(gains, gaps) == (lo, hi)  # seeded: the same interval every time
-    assert composition.bootstrap_fraction(gains[:1], gaps[:1]) is None
-    assert composition.bootstrap_fraction([[0.1, 0.1]] * 3, [[0.5, -0.5]] * 3) is None  # the gap vanishes often
+def test_the_fraction_interval_inverts_the_paired_t_test_over_seeds():
+    # a gap the same in every seed: the interval is the gain's t interval over the 3 seeds, divided by the gap
+    lo, hi = composition.fraction_interval([0.1, 0.3, 0.2], [0.5, 0.5, 0.5])
+    half = 4.303 * 0.1 / math.sqrt(3)  # t(2) * sd of the gains / sqrt(3)
+    assert (lo, hi) == pytest.approx(((0.2 - half) / 0.5, (0.2 + half) / 0.5))
+    # at each end the paired t-test of gain - f * gap is exactly at its 95 % bound
+    gains, gaps = [0.10, 0.35, 0.20, 0.28], [0.45, 0.60, 0.40, 0.52]
+    for f in composition.fraction_interval(gains, gaps):
+        d = [g - f * c for g, c in zip(gains, gaps)]
+        assert abs(statistics.fmean(d)) == pytest.approx(3.182 * statistics.stdev(d) / 2)
+    # five seeds whose fractions are all positive can still give an interval that reaches 0: what varies is the seed
+    assert composition.fraction_interval([0.04, 0.36, 0.10, 0.02, 0.30], [0.5, 0.5, 0.5, 0.5, 0.5])[0] < 0
+    assert composition.fraction_interval([0.1], [0.5]) is None
+    assert composition.fraction_interval([0.1, 0.2, 0.1], [0.5, -0.4, 0.1]) is None  # no clear gap: unbounded
 
 
 def test_half_weighted_loss_weighs_each_half_by_its_own_object():
