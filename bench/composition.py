@@ -29,9 +29,7 @@ that gap it closes (95 % interval over seeds), at equal steps and at equal compu
 
 Streams balanced without the pair labels (fixed scenes only), the way a user of the data layer balances a real data
 set: each scene drawn in proportion to a factor set from its caption's entries (`data.balance`: concepts,
-attribute:object bindings, object pairs; the extractor names each concept once, so a caption whose two objects share
-a colour or a shape has the first object's binding only: 51 % of concept_tail's scenes, 18 % of pair_tail's at
-seed 0). `caption_balanced` / `caption_balanced_a1`: the offline temperature factors (data.balance=temperature) with
+attribute:object bindings at every mention, object pairs). `caption_balanced` / `caption_balanced_a1`: the offline temperature factors (data.balance=temperature) with
 α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the factors of `data.online_balance.OnlineBalance`, refreshed
 every BALANCE_EVERY steps from the model's own IMBA distance, measured by a no-grad unconditional pass over the
 first eighth of every batch (counted compute 1 + 1/24 plain steps at batch 32); `imba_balanced_fast` the same with
@@ -113,6 +111,10 @@ VARIANTS = {
                                         estimator="efficient"),
     "imba_cond_tnorm_efficient": dict(kind="imba", reference="cond", normalize="timestep_mean",
                                       estimator="efficient"),
+    # the concept-specificity control of the form above: each row's token weights given to another row of the same
+    # noise-level bin (the weights' distribution per level kept, their link to the row's concepts cut)
+    "imba_target_tnorm_efficient_shuffled": dict(kind="imba", reference="target", normalize="timestep_mean",
+                                                 estimator="efficient", shuffle_weights=True),
     "plain_eps": dict(kind="plain", objective="ddpm"),
     "plain_balanced_eps": dict(kind="plain", stream="pair_balanced", objective="ddpm"),
     "imba_target_eps": dict(kind="imba", reference="target", objective="ddpm"),
@@ -317,11 +319,28 @@ class WeightedScenes:
 
 def generator_for(seed: int, role: str) -> torch.Generator:
     """One generator per (seed, role), so a stream's selection draws never shift another role's sequence."""
-    roles = ("select", "noise", "drop", "lever")
+    roles = ("select", "noise", "drop", "lever", "shuffle")
     return torch.Generator().manual_seed(1000 * seed + 17 * roles.index(role) + 1)
 
 
 @torch.no_grad()
+def weights_shuffled_within_levels(weights, bins: int, num_train_timesteps: int, generator: torch.Generator):
+    """`IMBALoss.weights` with the rows' weights (all tokens of a row together) permuted among the rows of each
+    timestep bin, a fresh permutation per bin and call: every level keeps its weights' distribution, and which row
+    gets which weights no longer depends on what the row shows."""
+
+    def shuffled(pred_cond, pred_uncond, target, valid=None, timesteps=None):
+        weight, d = weights(pred_cond, pred_uncond, target, valid, timesteps)
+        level = (timesteps.double() / num_train_timesteps * bins).long().clamp(0, bins - 1)
+        source = torch.arange(weight.shape[0])
+        for b in level.unique().tolist():
+            rows = torch.nonzero(level == b).flatten()
+            source[rows] = rows[torch.randperm(rows.numel(), generator=generator)]
+        return weight[source], d
+
+    return shuffled
+
+
 def generate(model, objective, text: WordEncoder, left, right, seed: int, steps: int = SAMPLING_STEPS,
              guidance: float = 3.0, batch_size: int = 256) -> torch.Tensor:
     """Classifier-free-guided scenes, one per (left, right) prompt; scene i's noise depends only on (seed, i)."""
@@ -458,6 +477,10 @@ def run_one(job: dict) -> dict:
     objective = build_objective(objective_of(variant))
     loss_fn = TrainingLoss(spec["kind"], patch_size=PATCH, reference=spec.get("reference", "target"),
                            estimator=spec.get("estimator", "literal"), normalize=spec.get("normalize", "none"))
+    if spec.get("shuffle_weights"):
+        imba = loss_fn.imba
+        imba.weights = weights_shuffled_within_levels(imba.weights, imba.timestep_bins, imba.num_train_timesteps,
+                                                      generator_for(seed, "shuffle"))
     select_gen, noise_gen = generator_for(seed, "select"), generator_for(seed, "noise")
     drop_gen, lever_gen = generator_for(seed, "drop"), generator_for(seed, "lever")
     units = [0]  # forward rows × 3 with gradient, × 1 without: a plain step of B rows is 3B

@@ -472,6 +472,23 @@ def test_the_fraction_interval_inverts_the_paired_t_test_over_seeds():
     assert composition.fraction_interval([0.1, 0.2, 0.1], [0.5, -0.4, 0.1]) is None  # no clear gap: unbounded
 
 
+def test_shuffled_weights_stay_within_their_noise_level_and_keep_its_distribution():
+    def weights(pred_cond, pred_uncond, target, valid=None, timesteps=None):
+        return torch.arange(12.0)[:, None].expand(12, 3), torch.ones(12, 3)  # row i: weight i on every token
+
+    timesteps = torch.tensor([50, 60, 70, 80, 450, 460, 470, 480, 490, 950, 960, 970])  # bins 0, 4 and 9
+    shuffled = composition.weights_shuffled_within_levels(weights, 10, 1000, torch.Generator().manual_seed(0))
+    moved = []
+    for _ in range(20):
+        weight, d = shuffled(None, None, None, None, timesteps)
+        rows = weight[:, 0].long()
+        assert torch.equal(weight, rows[:, None].float().expand(12, 3)) and torch.equal(d, torch.ones(12, 3))
+        for members in ([0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11]):
+            assert sorted(rows[members].tolist()) == members  # the level's weights, each once
+        moved.append(rows.tolist())
+    assert len({tuple(m) for m in moved}) > 10  # a fresh permutation each call
+
+
 def test_half_weighted_loss_weighs_each_half_by_its_own_object():
     pred, target = torch.zeros(2, 3, 16, 32), torch.zeros(2, 3, 16, 32)
     pred[..., :16] = 1.0  # error 1 on every left pixel, 0 on the right
