@@ -29,8 +29,8 @@ that gap it closes (95 % interval over seeds), at equal steps and at equal compu
 
 Streams balanced without the pair labels (fixed scenes only), the way a user of the data layer balances a real data
 set: each scene drawn in proportion to a factor set from its caption's entries (`data.balance`: concepts,
-attribute:object bindings at every mention, object pairs). `caption_balanced` / `caption_balanced_a1`: the offline temperature factors (data.balance=temperature) with
-α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the factors of `data.online_balance.OnlineBalance`, refreshed
+attribute:object bindings at every mention, object pairs). `caption_balanced` / `caption_balanced_a1`: the offline
+temperature factors (data.balance=temperature) with α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the factors of `data.online_balance.OnlineBalance`, refreshed
 every BALANCE_EVERY steps from the model's own IMBA distance, measured by a no-grad unconditional pass over the
 first eighth of every batch (counted compute 1 + 1/24 plain steps at batch 32); `imba_balanced_fast` the same with
 each refresh's step s^1 instead of √s, `imba_balanced_wide` the fast rule with a cap of 64 instead of 16. All

@@ -26,6 +26,7 @@ Scale. Extraction runs over chunks of captions in `workers` processes and keeps 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 from dataclasses import dataclass
@@ -132,11 +133,6 @@ def build_concept_table(captions: Iterable[str], extractor: Callable, workers: i
     names: dict[str, int] = {}
     lengths: list[np.ndarray] = []
     ids: list[np.ndarray] = []
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(desc="concepts", unit=" captions", unit_scale=True, mininterval=1.0, dynamic_ncols=True)
 
     def merge(part: tuple[list[str], np.ndarray, np.ndarray]) -> None:
         local, n, local_ids = part
@@ -147,20 +143,23 @@ def build_concept_table(captions: Iterable[str], extractor: Callable, workers: i
             bar.update(len(n))
 
     jobs = ((chunk, extractor) for chunk in _chunks(captions, CHUNK))
-    try:
+    with contextlib.ExitStack() as stack:
+        # the pool forks its workers before the bar starts its monitor thread: a fork must not copy a thread's locks
+        pool = None
         if workers > 1:
             context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with context.Pool(workers) as pool:
-                for part in pool.imap(_extract_chunk, jobs):
-                    merge(part)
-                pool.close()
-                pool.join()
-        else:
-            for job in jobs:
-                merge(_extract_chunk(job))
-    finally:
-        if bar is not None:
-            bar.close()
+            pool = stack.enter_context(context.Pool(workers))
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = stack.enter_context(tqdm(desc="concepts", unit=" captions", unit_scale=True, mininterval=1.0,
+                                           dynamic_ncols=True))
+        for part in pool.imap(_extract_chunk, jobs) if pool is not None else map(_extract_chunk, jobs):
+            merge(part)
+        if pool is not None:
+            pool.close()
+            pool.join()
     n = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     ptr = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
     flat = np.concatenate(ids) if ids else np.zeros(0, np.int32)

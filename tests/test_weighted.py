@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from data.seeds import derive_seed
-from data.weighted import (UNIT, SegmentedOrder, StreamBatchSampler, WeightedBucketSampler, WeightedOrder, _round_to_total,
-                           expected_draws_to_units, reweighted_units)
+from data.weighted import (UNIT, SegmentedOrder, StreamBatchSampler, WeightedBucketSampler, WeightedOrder,
+                           _round_to_total, expected_draws_to_units, reweighted_units)
 
 
 def order_for(expected, samples_per_epoch, seed=0):
