@@ -30,19 +30,19 @@ that gap it closes (95 % interval over seeds), at equal steps and at equal compu
 Streams balanced without the pair labels (fixed scenes only), the way a user of the data layer balances a real data
 set: each scene drawn in proportion to a factor set from its caption's entries (`data.balance`: concepts,
 attribute:object bindings at every mention, object pairs). `caption_balanced` / `caption_balanced_a1`: the offline
-temperature factors (data.balance=temperature) with α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the factors of `data.online_balance.OnlineBalance`, refreshed
-every BALANCE_EVERY steps from the model's own IMBA distance, measured by a no-grad unconditional pass over the
-first eighth of every batch (counted compute 1 + 1/24 plain steps at batch 32); `imba_balanced_fast` the same with
-each refresh's step s^1 instead of √s, `imba_balanced_wide` the fast rule with a cap of 64 instead of 16. All
-train with the plain loss and are compared with the controls; they are no controls themselves and run to the
-equal-step lengths, and with --reach-controls on to the controls' last point (1,950 steps, and for the online ones
-also 1,872, where their counted compute is the controls' 1,950). The command above adds them to the default study:
-the four default variants' runs are reused (its largest nominal cost is still 1.3, so the controls' lengths stay
-1000, 1500, 1950; leaving imba_target_tnorm_efficient out would make it 1.042 and rerun the controls to 1562 steps).
-caption_balanced, imba_balanced and imba_balanced_fast on to 1,950 steps (30 runs) took 58.5 min, then
-imba_balanced_wide (10 runs) 34.0 min; the no-grad pass over 4 rows costs more than 4/96 of a step on a CPU
-(imba_balanced 1.19× plain's step time). Each run is saved as it ends, so the variants can be run in separate
-commands.
+temperature factors (data.balance=temperature) with α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the
+factors of `data.online_balance.OnlineBalance`, refreshed every BALANCE_EVERY steps from the model's own IMBA
+distance, measured by a no-grad unconditional pass over the first eighth of every batch (counted compute 1 + 1/24
+plain steps at batch 32); `imba_balanced_fast` the same with each refresh's step s^1 instead of √s,
+`imba_balanced_wide` the fast rule with a cap of 64 instead of 16. All train with the plain loss and are compared
+with the controls; they are no controls themselves and run to the equal-step lengths, and with --reach-controls on
+to the controls' last point (1,950 steps, and for the online ones also 1,872, where their counted compute is the
+controls' 1,950). The command above adds them to the default study: the four default variants' runs are reused (its
+largest nominal cost is still 1.3, so the controls' lengths stay 1000, 1500, 1950; leaving
+imba_target_tnorm_efficient out would make it 1.042 and rerun the controls to 1562 steps). caption_balanced,
+imba_balanced and imba_balanced_fast on to 1,950 steps (30 runs) took 58.5 min, then imba_balanced_wide (10 runs)
+34.0 min; the no-grad pass over 4 rows costs more than 4/96 of a step on a CPU (imba_balanced 1.19× plain's step
+time). Each run is saved as it ends, so the variants can be run in separate commands.
 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
 tile and scene pool, initial weights, optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1,
