@@ -323,7 +323,6 @@ def generator_for(seed: int, role: str) -> torch.Generator:
     return torch.Generator().manual_seed(1000 * seed + 17 * roles.index(role) + 1)
 
 
-@torch.no_grad()
 def weights_shuffled_within_levels(weights, bins: int, num_train_timesteps: int, generator: torch.Generator):
     """`IMBALoss.weights` with the rows' weights (all tokens of a row together) permuted among the rows of each
     timestep bin, a fresh permutation per bin and call: every level keeps its weights' distribution, and which row
@@ -341,6 +340,7 @@ def weights_shuffled_within_levels(weights, bins: int, num_train_timesteps: int,
     return shuffled
 
 
+@torch.no_grad()
 def generate(model, objective, text: WordEncoder, left, right, seed: int, steps: int = SAMPLING_STEPS,
              guidance: float = 3.0, batch_size: int = 256) -> torch.Tensor:
     """Classifier-free-guided scenes, one per (left, right) prompt; scene i's noise depends only on (seed, i)."""
