@@ -129,7 +129,11 @@ def test_a_caption_of_one_concept_is_weighted_by_its_count_and_a_plain_function_
     assert plain.sample_entries(1) == ["star"]
 
 
-def test_extraction_counts_its_captions_on_a_progress_bar(capsys):
+def test_extraction_counts_its_captions_on_a_progress_bar(capsys, monkeypatch):
+    import tqdm
+
+    # no monitor thread left behind: a later test's forked worker pool must not copy a running thread
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
     table = build_concept_table(["a red circle", "", "a cyan ring"], default_extractor(), progress=True)
     assert len(table) == 3
     err = capsys.readouterr().err
