@@ -112,7 +112,7 @@ VARIANTS = {
     "imba_cond_tnorm_efficient": dict(kind="imba", reference="cond", normalize="timestep_mean",
                                       estimator="efficient"),
     # the concept-specificity control of the form above: each row's token weights given to another row of the same
-    # noise-level bin (the weights' distribution per level kept, their link to the row's concepts cut)
+    # noise-level bin (the weights' distribution per level kept, their link to the row they were measured on cut)
     "imba_target_tnorm_efficient_shuffled": dict(kind="imba", reference="target", normalize="timestep_mean",
                                                  estimator="efficient", shuffle_weights=True),
     "plain_eps": dict(kind="plain", objective="ddpm"),
