@@ -101,10 +101,10 @@ def test_no_caption_gives_an_empty_table_and_captions_without_entries_the_same_f
     assert (len(empty), empty.entries, empty.ptr.tolist(), empty.ids.size) == (0, [], [0], 0)
     assert empty.ptr.dtype == np.int64 and empty.ids.dtype == np.int32
     assert entry_counts(empty).shape == (0,)
+    blank = table_of(["", "nothing known here"])
+    assert blank.ptr.tolist() == [0, 0, 0]
     for settings in (BalanceSettings("temperature", alpha=1.0), BalanceSettings("cap", cap=3)):
         assert balance_factors(empty, settings).shape == (0,)
-        blank = table_of(["", "nothing known here"])
-        assert blank.ptr.tolist() == [0, 0, 0]
         factors = balance_factors(blank, settings)
         assert np.all(np.isfinite(factors)) and factors[0] == factors[1] > 0
 
