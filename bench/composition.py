@@ -323,14 +323,15 @@ def generator_for(seed: int, role: str) -> torch.Generator:
     return torch.Generator().manual_seed(1000 * seed + 17 * roles.index(role) + 1)
 
 
-def weights_shuffled_within_levels(weights, bins: int, num_train_timesteps: int, generator: torch.Generator):
+def weights_shuffled_within_levels(weights, level_of, generator: torch.Generator):
     """`IMBALoss.weights` with the rows' weights (all tokens of a row together) permuted among the rows of each
-    timestep bin, a fresh permutation per bin and call: every level keeps its weights' distribution, and which row
-    gets which weights no longer depends on what the row shows."""
+    timestep bin (`level_of(timesteps)`, the loss's own `TimestepMean.bin_of`), a fresh permutation per bin and call:
+    every level keeps its weights' distribution, and which row gets which weights no longer depends on what the row
+    shows."""
 
     def shuffled(pred_cond, pred_uncond, target, valid=None, timesteps=None):
         weight, d = weights(pred_cond, pred_uncond, target, valid, timesteps)
-        level = (timesteps.double() / num_train_timesteps * bins).long().clamp(0, bins - 1)
+        level = level_of(timesteps)
         source = torch.arange(weight.shape[0])
         for b in level.unique().tolist():
             rows = torch.nonzero(level == b).flatten()
@@ -477,9 +478,9 @@ def run_one(job: dict) -> dict:
     objective = build_objective(objective_of(variant))
     loss_fn = TrainingLoss(spec["kind"], patch_size=PATCH, reference=spec.get("reference", "target"),
                            estimator=spec.get("estimator", "literal"), normalize=spec.get("normalize", "none"))
-    if spec.get("shuffle_weights"):
+    if spec.get("shuffle_weights"):  # a timestep_mean form: the loss's own level bins
         imba = loss_fn.imba
-        imba.weights = weights_shuffled_within_levels(imba.weights, imba.timestep_bins, imba.num_train_timesteps,
+        imba.weights = weights_shuffled_within_levels(imba.weights, imba.timestep_mean.bin_of,
                                                       generator_for(seed, "shuffle"))
     select_gen, noise_gen = generator_for(seed, "select"), generator_for(seed, "noise")
     drop_gen, lever_gen = generator_for(seed, "drop"), generator_for(seed, "lever")
@@ -682,10 +683,8 @@ def fraction_interval(gains: list[float], gaps: list[float]) -> tuple[float, flo
     n = len(gains)
     if n < 2:
         return None
-    a, b = torch.tensor(gains, dtype=torch.float64), torch.tensor(gaps, dtype=torch.float64)
-    mean_a, mean_b = a.mean().item(), b.mean().item()
-    var_a, var_b = a.var().item(), b.var().item()
-    cov = ((a - mean_a) * (b - mean_b)).sum().item() / (n - 1)
+    mean_a, mean_b = statistics.fmean(gains), statistics.fmean(gaps)
+    var_a, var_b, cov = statistics.variance(gains), statistics.variance(gaps), statistics.covariance(gains, gaps)
     q = t_975(n - 1) ** 2 / n
     # (mean_a - f mean_b)^2 <= q (var_a - 2 f cov + f^2 var_b), a quadratic A f^2 - 2 B f + C <= 0
     A, B, C = mean_b ** 2 - q * var_b, mean_a * mean_b - q * cov, mean_a ** 2 - q * var_a

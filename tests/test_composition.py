@@ -489,7 +489,10 @@ def test_shuffled_weights_stay_within_their_noise_level_and_keep_its_distributio
         return torch.arange(12.0)[:, None].expand(12, 3), torch.ones(12, 3)  # row i: weight i on every token
 
     timesteps = torch.tensor([50, 60, 70, 80, 450, 460, 470, 480, 490, 950, 960, 970])  # bins 0, 4 and 9
-    shuffled = composition.weights_shuffled_within_levels(weights, 10, 1000, torch.Generator().manual_seed(0))
+    from imba.loss import TimestepMean
+
+    shuffled = composition.weights_shuffled_within_levels(weights, TimestepMean(10).bin_of,
+                                                          torch.Generator().manual_seed(0))
     moved = []
     for _ in range(20):
         weight, d = shuffled(None, None, None, None, timesteps)
