@@ -6,18 +6,19 @@
         --out bench/composition_reweight       # the re-weighting baselines
     python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
     python bench/composition.py --variants plain plain_balanced plain_concept_balanced imba_target_tnorm_efficient \
-        caption_balanced imba_balanced imba_balanced_fast imba_balanced_wide --reach-controls \
+        caption_balanced imba_grouped --worlds concept_tail pair_tail captioned --reach-controls \
         --out bench/composition_balance         # streams balanced without labels, on to the controls' 1,950 steps
-                                                # (the default's runs reused from the recorded results.json of
-                                                # --out, or copied into its runs/)
 
 Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour> <shape> and a <colour> <shape>",
 8 colours × 5 shapes. "concept_tail": colours and shapes each Zipf(2), so rare pairs are pairs of rare words;
-"pair_tail": single concepts about equally frequent, their combinations long-tailed (rare pairs of common words).
-Which colour and shape take which frequency rank, and so which pairs are held out, is drawn from the seed. A pool
-of single-object tiles per seed holds the pairs in proportion (head pairs hundreds to thousands of tiles, the
-rarest 8); 6 pairs are held out of training. An oracle CNN reads each half of a generated scene; a second oracle,
-trained from another seed, reads the same scenes (the judge's own uncertainty).
+"pair_tail": single concepts about equally frequent, their combinations long-tailed (rare pairs of common words);
+"captioned": pair_tail's images with captions as a re-captioner writes them (phrasings, synonyms, omitted and wrong
+colours, distractor words; `composition_scenes.realistic_caption`), which only the caption-reading streams read: a
+variant that reads no captions is the same computation as in pair_tail and its run is shared. Which colour and shape
+take which frequency rank, and so which pairs are held out, is drawn from the seed. A pool of single-object tiles per
+seed holds the pairs in proportion (head pairs hundreds to thousands of tiles, the rarest 8); 6 pairs are held out of
+training. An oracle CNN reads each half of a generated scene; a second oracle, trained from another seed, reads the
+same scenes (the judge's own uncertainty).
 
 Scenes: "fixed" (default) composes each seed's scenes once (every tile in two scenes, once per side) and a stream
 draws among them, as a sampler of a real data set can only draw among its images; "online" composes each scene at
@@ -30,19 +31,13 @@ that gap it closes (95 % interval over seeds), at equal steps and at equal compu
 Streams balanced without the pair labels (fixed scenes only), the way a user of the data layer balances a real data
 set: each scene drawn in proportion to a factor set from its caption's entries (`data.balance`: concepts,
 attribute:object bindings at every mention, object pairs). `caption_balanced` / `caption_balanced_a1`: the offline
-temperature factors (data.balance=temperature) with α = 0.5 (the shipped default) / 1.0; `imba_balanced`: the
-factors of `data.online_balance.OnlineBalance`, refreshed every BALANCE_EVERY steps from the model's own IMBA
-distance, measured by a no-grad unconditional pass over the first eighth of every batch (counted compute 1 + 1/24
-plain steps at batch 32); `imba_balanced_fast` the same with each refresh's step s^1 instead of √s,
-`imba_balanced_wide` the fast rule with a cap of 64 instead of 16. All train with the plain loss and are compared
-with the controls; they are no controls themselves and run to the equal-step lengths, and with --reach-controls on
-to the controls' last point (1,950 steps, and for the online ones also 1,872, where their counted compute is the
-controls' 1,950). The command above adds them to the default study: the four default variants' runs are reused (its
-largest nominal cost is still 1.3, so the controls' lengths stay 1000, 1500, 1950; leaving
-imba_target_tnorm_efficient out would make it 1.042 and rerun the controls to 1562 steps). caption_balanced,
-imba_balanced and imba_balanced_fast on to 1,950 steps (30 runs) took 58.5 min, then imba_balanced_wide (10 runs)
-34.0 min; the no-grad pass over 4 rows costs more than 4/96 of a step on a CPU (imba_balanced 1.19× plain's step
-time). Each run is saved as it ends, so the variants can be run in separate commands.
+temperature factors (data.balance=temperature) with α = 0.5 (the shipped default) / 1.0; `imba_grouped`: the factors
+of `data.online_balance.OnlineBalance` (data.balance=imba) with its defaults, refreshed every BALANCE_EVERY steps
+from the model's own IMBA distance, measured by a no-grad unconditional pass over the first eighth of every batch
+(counted compute 1 + 1/24 plain steps at batch 32). They train with the plain loss and are compared with the
+controls; they are no controls themselves and run to the equal-step lengths, and with --reach-controls on to the
+controls' last point (1,950 steps, and for the online one also 1,872, where its counted compute is the controls'
+1,950). Each run is saved as it ends, so the variants can be run in separate commands.
 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
 tile and scene pool, initial weights, optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1,
@@ -77,7 +72,8 @@ for path in (str(REPO), str(REPO / "bench")):
 
 import torch  # noqa: E402
 
-from composition_scenes import (BUCKETS, COLOURS, FAILURES, SHAPES, TILE, WORLDS, Oracle, PairWorld,  # noqa: E402
+from composition_scenes import (BUCKETS, COLOURS, FAILURES, IMAGES_OF, SHAPES, TILE, WORLDS, Oracle,  # noqa: E402
+                                PairWorld,
                                 ScenePool, TilePool, WordEncoder, bucket_success, judge, oracle_per_class,
                                 pair_name, probe_prompts, train_oracle)
 
@@ -126,20 +122,16 @@ VARIANTS = {
     # the shipped default exponent and full balancing, fixed before any result
     "caption_balanced": dict(kind="plain", stream="caption", alpha=0.5),
     "caption_balanced_a1": dict(kind="plain", stream="caption", alpha=1.0),
-    "imba_balanced": dict(kind="plain", stream="imba_online"),
-    # stated before its runs, after imba_balanced's weights were seen to move too slowly (its exposure at 1,500
-    # steps): the same rule with each refresh's step s^1 instead of s^(1/2); imba_balanced stays its control
-    "imba_balanced_fast": dict(kind="plain", stream="imba_online", rate=1.0),
-    # stated before its runs, after imba_balanced_fast's weights were seen to sit at the cap from 1,000 steps with
-    # its most boosted scene drawn only 3.3x its natural rate (the pair-balanced stream shows the rarest pairs'
-    # objects 16-20x as often as plain does): the fast rule with a cap of 64 instead of 16
-    "imba_balanced_wide": dict(kind="plain", stream="imba_online", rate=1.0, max_factor=64.0),
+    # data.online_balance.OnlineBalance with its defaults, stated before its runs: the temperature prior of
+    # caption_balanced (alpha 0.5), four rarity groups, each moved by its IMBA distance beyond 3 standard errors
+    "imba_grouped": dict(kind="plain", stream="imba_online", alpha=0.5),
 }
 WEIGHTED_STREAMS = ("caption", "imba_online")
 BALANCE_EVERY = 50  # steps between refreshes of the online balance's weights
 # the default: the three streams and the IMBA form measured best at equal compute so far, in both worlds, 5 seeds
 DEFAULT_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient"]
 DEFAULT_SEEDS = [0, 1, 2, 3, 4]
+DEFAULT_WORLDS = ("concept_tail", "pair_tail")  # "captioned" differs from pair_tail only for caption-reading streams
 DEFAULT_STEPS = [1000, 1500]  # equal-step lengths; the plain-cost streams also run on to 1.3× the longest
 # samples per pair in the default: 12 instead of the first recordings' 16 keeps two worlds × 5 seeds in the time bound
 DEFAULT_PER_PAIR = 12
@@ -259,6 +251,9 @@ def half_weighted_loss(pred: torch.Tensor, target: torch.Tensor, left: torch.Ten
     return (err * weights).mean()
 
 
+from data.online_balance import FACTOR_ONE  # noqa: E402
+
+
 class WeightedScenes:
     """The scene stream of a caption- or IMBA-balanced variant (WEIGHTED_STREAMS): scenes drawn with replacement in
     proportion to a factor per scene, the natural stream being uniform over the scene pool. The factors come from
@@ -279,7 +274,7 @@ class WeightedScenes:
         elif stream == "imba_online":
             from data.online_balance import OnlineBalance
 
-            self.online = OnlineBalance(self.table, **online)
+            self.online = OnlineBalance(self.table, alpha=alpha, **online)
             self.factors = self._online_factors()
         else:
             raise ValueError(f"unknown weighted stream {stream!r}; choose one of {', '.join(WEIGHTED_STREAMS)}")
@@ -300,20 +295,16 @@ class WeightedScenes:
         self.factors = self._online_factors()
 
     def log(self) -> dict:
-        """What the factors are now: the largest (for "caption" relative to a scene of the most frequent entry
-        only, for "imba_online" to the natural rate) and how much more often than the uniform rate the most boosted
-        scene is drawn; for the online balance also how many scenes sit at its cap, how many entries are boosted
-        and how many refreshes set them."""
-        out = {"max_rate_over_uniform": float(self.factors.max() / self.factors.mean())}
-        if self.online is None:
-            out["max_factor"] = float(self.factors.max())
-        else:
-            from data.online_balance import FACTOR_ONE
-
-            cap = round(self.online.max_factor * FACTOR_ONE)
-            out.update(max_factor=float(self.factors.max()) / FACTOR_ONE, at_cap=int((self.factors >= cap).sum()),
-                       boosted_entries=int((self.online.weights > FACTOR_ONE).sum()),
-                       refreshes=self.online.refreshes)
+        """What the factors are now: the largest relative to a scene of the most frequent entry only, and how much
+        more often than the uniform rate the most boosted scene is drawn; for the online balance also each rarity
+        group's multiplier of its prior, its distance ratio and that ratio's standard error, and the refreshes."""
+        scale = FACTOR_ONE if self.online is not None else 1.0
+        out = {"max_rate_over_uniform": float(self.factors.max() / self.factors.mean()),
+               "max_factor": float(self.factors.max()) / scale}
+        if self.online is not None:
+            ratio, se, _ = self.online.evidence()
+            out.update(multipliers=[float(w) / FACTOR_ONE for w in self.online.weights], ratios=ratio.tolist(),
+                       standard_errors=se.tolist(), refreshes=self.online.refreshes)
         return out
 
 
@@ -460,8 +451,9 @@ def run_one(job: dict) -> dict:
         raise ValueError(f"{variant} composes its scenes at batch time; run it with --scenes online")
     if scene_pool is None and stream in WEIGHTED_STREAMS:
         raise ValueError(f"{variant} weights a fixed pool of scenes by their captions; run it with --scenes fixed")
-    online = {k: spec[k] for k in ("rate", "max_factor") if k in spec}
-    weighted = (WeightedScenes(stream, scene_pool.captions(), spec.get("alpha"), **online)
+    online = {k: spec[k] for k in ("rate", "max_factor", "groups") if k in spec}
+    weighted = (WeightedScenes(stream, scene_pool.captions(realistic=job["world"] == "captioned"), spec.get("alpha"),
+                               **online)
                 if stream in WEIGHTED_STREAMS else None)
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
@@ -595,6 +587,23 @@ def run_one(job: dict) -> dict:
 
 JOB_SETTINGS = ("world", "scenes", "fixed_ranks", "steps", "per_pair", "sampling_steps", "batch_size", "pool",
                 "protocol")
+
+
+def _key(job: dict) -> tuple:
+    return job["world"], job["variant"], job["seed"]
+
+
+def computed_as(job: dict) -> dict:
+    """The job whose run `job` is: a variant that reads no captions trains in the captioned world exactly as in
+    pair_tail, whose images, labels and draws it shares, so its run is computed (or reused) once, as pair_tail's."""
+    if IMAGES_OF[job["world"]] != job["world"] and VARIANTS[job["variant"]].get("stream") not in WEIGHTED_STREAMS:
+        return {**job, "world": IMAGES_OF[job["world"]]}
+    return job
+
+
+def in_world(run: dict, world: str) -> dict:
+    """`run` reported under `world` (a run of the world whose images `world` shares, or its own)."""
+    return {**run, "world": world, "settings": {**run["settings"], "world": world}}
 
 
 def _run_path(runs_dir: Path, run: dict) -> Path:
@@ -834,7 +843,12 @@ def run_facts(runs: list[dict], length: int) -> dict:
             row["oracle_disagreement"] = max(abs(a[k] - b[k]) for k in a)
         row.update({f"stream_{k}": v for k, v in r.get("stream_factors", {}).items()})
         rows.setdefault(run["variant"], []).append(row)
-    return {v: {k: statistics.fmean(row[k] for row in rs) for k in rs[0]} for v, rs in rows.items()}
+    def mean(values: list):  # a list-valued fact (one value per rarity group) element-wise
+        if isinstance(values[0], list):
+            return [statistics.fmean(column) for column in zip(*values)]
+        return statistics.fmean(values)
+
+    return {v: {k: mean([row[k] for row in rs]) for k in rs[0]} for v, rs in rows.items()}
 
 
 def _pct(cell: tuple[float, float]) -> str:
@@ -941,16 +955,18 @@ def world_report(world: str, summaries: dict, gaps: dict, failures: dict, exposu
         weighted = [v for v in variants if "stream_max_factor" in facts.get(v, {})]
         if weighted:
             lines.append(f"\n**Scene factors of the weighted streams at {detail} steps** (means over seeds; "
-                         "largest factor: caption, relative to a scene of only the most frequent entry; online, to "
-                         "the natural rate; largest rate = how many times the uniform rate the most boosted scene "
-                         "is drawn; at cap = scenes at the online balance's largest factor)\n")
-            lines.append("| variant | largest factor | largest rate | scenes at cap | boosted entries | refreshes |")
+                         "largest factor: relative to a scene of only the most frequent entry; largest rate = how "
+                         "many times the uniform rate the most boosted scene is drawn; online: each rarity group's "
+                         "multiplier of its prior and its distance ratio to the average row, rarest group first)\n")
+            lines.append("| variant | largest factor | largest rate | group multipliers | group distance ratios | "
+                         "refreshes |")
             lines.append("|---" * 6 + "|")
             for variant in weighted:
                 f = facts[variant]
                 online = "stream_refreshes" in f
+                groups = (lambda key: " / ".join(f"{x:.2f}" for x in f[key]))
                 lines.append(f"| {variant} | {f['stream_max_factor']:.2f} | {f['stream_max_rate_over_uniform']:.2f} | "
-                             + (f"{f['stream_at_cap']:.1f} | {f['stream_boosted_entries']:.1f} | "
+                             + (f"{groups('stream_multipliers')} | {groups('stream_ratios')} | "
                                 f"{f['stream_refreshes']:.0f} |" if online else "— | — | — |"))
     if failures:
         lines.append(f"\n**Failure kinds at {detail} steps** (% of the bucket's prompts, all seeds: missing "
@@ -1185,7 +1201,7 @@ def run_plan(args):
                                  else DEFAULT_VARIANTS)
     if "all" in variants:
         variants = list(VARIANTS)
-    worlds = args.worlds or (["concept_tail"] if args.levers else list(WORLDS))
+    worlds = args.worlds or (["concept_tail"] if args.levers else list(DEFAULT_WORLDS))
     scenes = args.scenes or ("online" if args.levers else "fixed")
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2] if args.levers else DEFAULT_SEEDS)
     lengths = sorted(args.steps or ([400] if args.quick and args.levers else QUICK_STEPS if args.quick
@@ -1210,7 +1226,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"names from VARIANTS ({', '.join(VARIANTS)}) or all; default: "
                              f"{' '.join(DEFAULT_VARIANTS)}")
     parser.add_argument("--worlds", nargs="+", choices=WORLDS, default=None,
-                        help=f"default: {' '.join(WORLDS)} (--levers: concept_tail)")
+                        help=f"default: {' '.join(DEFAULT_WORLDS)} (--levers: concept_tail)")
     parser.add_argument("--scenes", choices=("fixed", "online"), default=None,
                         help="fixed: each seed's scenes composed once, streams draw among them (default); online: "
                              "each scene composed at batch time (the default with --levers)")
@@ -1295,22 +1311,26 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir, results_path = args.out / "runs", args.out / "results.json"
     runs_dir.mkdir(exist_ok=True)
     recorded = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
-    runs, todo = [], []
-    for job in jobs:
+    finished, todo = {}, []
+    for job in {_key(computed_as(j)): computed_as(j) for j in jobs}.values():
         done = saved_run(runs_dir, job, recorded)
-        (runs if done else todo).append(done or job)
-    if runs:
-        print(f"reusing {len(runs)} finished runs from {runs_dir}", flush=True)
+        if done:
+            finished[_key(job)] = done
+        else:
+            todo.append(job)
+    if finished:
+        print(f"reusing {len(finished)} finished runs from {runs_dir}", flush=True)
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.workers) as pool:
         for run in pool.imap_unordered(run_one, todo):
             save_run(runs_dir, run)
-            runs.append(run)
+            finished[_key(run)] = run
             last = run["results"][max(run["results"])]
             print(f"[{time.perf_counter() - started:6.0f} s] {run['world']} {run['variant']} seed {run['seed']}: "
                   f"{last['train_seconds']:.0f} s training, final loss {last['final_loss']:.4f}", flush=True)
         pool.close()  # let the workers exit on their own: the terminate() of `with` can deadlock on idle ones
         pool.join()
+    runs = [in_world(finished[_key(computed_as(job))], job["world"]) for job in jobs]
 
     from imba.plots import plot_monitor
 

@@ -58,7 +58,10 @@ HELD_OUT = ((1, 3), (3, 1), (4, 2), (5, 0), (6, 4), (7, 1))
 # colour has one pair at each level; the held-out pairs are six of the rarest level, one per colour rank 1-7 but 2
 HELD_OUT_PAIR_TAIL = ((1, 3), (3, 1), (4, 0), (5, 4), (6, 3), (7, 2))
 PAIR_DECAY = 4.0
-WORLDS = ("concept_tail", "pair_tail")
+# "captioned": pair_tail's images (the same tiles, scenes and labels per seed) with captions as a re-captioner writes
+# them (`realistic_caption`); only what reads the captions (the balancing of WEIGHTED_STREAMS) sees a difference
+WORLDS = ("concept_tail", "pair_tail", "captioned")
+IMAGES_OF = {"concept_tail": "concept_tail", "pair_tail": "pair_tail", "captioned": "pair_tail"}
 HUES = 64  # the colour-diversity lever's extra colours: colour index len(COLOURS) + k is hue k of HUES
 BUCKETS = ("head", "torso", "tail", "held_out")
 FAILURES = ("missing_object", "colour_on_wrong_shape", "other")
@@ -108,11 +111,12 @@ class PairWorld:
         if self.seed is None:
             colour_at, shape_at = tuple(range(len(COLOURS))), tuple(range(len(SHAPES)))
         else:
-            g = torch.Generator().manual_seed(10007 * self.seed + WORLDS.index(self.kind))
+            g = torch.Generator().manual_seed(10007 * self.seed + WORLDS.index(IMAGES_OF[self.kind]))
             colour_at, shape_at = permutation(len(COLOURS), g), permutation(len(SHAPES), g)
         colour_rank = tuple(colour_at.index(c) for c in range(len(COLOURS)))
         shape_rank = tuple(shape_at.index(s) for s in range(len(SHAPES)))
-        ranks = HELD_OUT if self.kind == "concept_tail" else HELD_OUT_PAIR_TAIL
+        images = IMAGES_OF[self.kind]
+        ranks = HELD_OUT if images == "concept_tail" else HELD_OUT_PAIR_TAIL
         held_out = tuple((colour_at[rc], shape_at[rs]) for rc, rs in ranks)
         pairs = [(c, s) for c in range(len(COLOURS)) for s in range(len(SHAPES))]
         table = torch.zeros(len(COLOURS), len(SHAPES), dtype=torch.float64)
@@ -120,9 +124,9 @@ class PairWorld:
             if (c, s) in held_out:
                 continue
             rc, rs = colour_rank[c], shape_rank[s]
-            table[c, s] = (1.0 / ((rc + 1) * (rs + 1)) ** self.zipf if self.kind == "concept_tail"
+            table[c, s] = (1.0 / ((rc + 1) * (rs + 1)) ** self.zipf if images == "concept_tail"
                            else PAIR_DECAY ** -((rc + rs) % len(SHAPES)))
-        if self.kind == "pair_tail":
+        if images == "pair_tail":
             table = balance_marginals(table)
         probs = torch.tensor([float(table[p]) for p in pairs], dtype=torch.float64)
         probs = probs / probs.sum()
@@ -172,6 +176,56 @@ def caption(left: tuple[int, int], right: tuple[int, int]) -> str:
 
 def pair_name(pair: tuple[int, int]) -> str:
     return f"{colour_word(pair[0])} {SHAPES[pair[1]]}"
+
+
+# The caption model of the "captioned" world (docs/method.md states it), set before any run. Per object: its colour
+# omitted with OMIT, else a wrong colour with WRONG; each word a synonym with SYNONYM (violet is an alias the
+# vocabulary knows; the others it does not, or reads as something else: lime, lemon, box, donut are objects, golden
+# is gold). Per scene: one of RELATIONS; with ATTRIBUTE_AFTER the first object's colour follows its shape; two
+# objects of one shape are a plural with PLURAL; a DISTRACTOR clause names something not shown.
+OMIT, WRONG, SYNONYM, ATTRIBUTE_AFTER, PLURAL, DISTRACTOR = 0.15, 0.05, 0.1, 0.1, 0.5, 0.2
+SYNONYMS = {"red": ("crimson", "scarlet"), "blue": ("navy", "azure"), "green": ("lime", "emerald"),
+            "yellow": ("golden", "lemon"), "purple": ("violet", "lilac"), "orange": ("amber", "tangerine"),
+            "black": ("ebony", "dark"), "cyan": ("teal", "aqua"), "circle": ("disc", "dot"), "square": ("box", "tile"),
+            "triangle": ("wedge", "pyramid"), "cross": ("plus sign", "x"), "ring": ("hoop", "donut")}
+RELATIONS = ("{a} and {b}", "{a} next to {b}", "{a} to the left of {b}", "{b} to the right of {a}",
+             "{a} beside {b}", "a picture of {a} and {b}", "{a}, {b}")
+DISTRACTORS = (" on a white background", " with a small star in the corner", " on a wooden table",
+               " in a black frame", " under a blue sky")
+
+
+def realistic_caption(left: tuple[int, int], right: tuple[int, int], rng: random.Random) -> str:
+    """A caption of the scene `left` | `right` under the caption model above, drawn from `rng`."""
+    from data.text import with_article
+
+    def word(name: str) -> str:
+        return rng.choice(SYNONYMS[name]) if name in SYNONYMS and rng.random() < SYNONYM else name
+
+    def colour(c: int) -> str | None:
+        if rng.random() < OMIT:
+            return None
+        if c < len(COLOURS) and rng.random() < WRONG:
+            c = rng.choice([k for k in range(len(COLOURS)) if k != c])
+        return word(colour_word(c))
+
+    (c1, s1), (c2, s2) = left, right
+    w1, w2 = colour(c1), colour(c2)
+    if s1 == s2 and rng.random() < PLURAL:
+        named = [w for w in dict.fromkeys((w1, w2)) if w]  # "two red rings", not "one red and one red"
+        shape = word(SHAPES[s1])
+        shapes = f"{shape}{'es' if shape.endswith(('s', 'x')) else 's'}"
+        if w1 is not None and w1 == w2:
+            shapes, named = f"{w1} {shapes}", []
+        text = f"two {shapes}" + (f", one {named[0]} and one {named[1]}" if len(named) == 2 else
+                                             f", one of them {named[0]}" if named else "")
+    else:
+        after = w1 is not None and rng.random() < ATTRIBUTE_AFTER
+        a = f"{word(SHAPES[s1])} in {w1}" if after else " ".join(w for w in (w1, word(SHAPES[s1])) if w)
+        b = " ".join(w for w in (w2, word(SHAPES[s2])) if w)
+        text = rng.choice(RELATIONS).format(a=with_article(a), b=with_article(b))
+    if rng.random() < DISTRACTOR:
+        text += rng.choice(DISTRACTORS)
+    return text[0].upper() + text[1:]
 
 
 def probe_prompts(world: PairWorld, per_pair: int) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
@@ -293,7 +347,7 @@ class ScenePool:
 
     def __init__(self, tiles: TilePool, seed: int):
         g = torch.Generator().manual_seed(7919 * seed + 17)
-        self.tiles = tiles
+        self.tiles, self.seed = tiles, seed
         self.left, self.right = torch.randperm(len(tiles), generator=g), torch.randperm(len(tiles), generator=g)
         pair_index = {p: k for k, p in enumerate(tiles.seen)}
         slots: list[list[int]] = [[] for _ in tiles.seen]  # scene index, + len(self) for the right side
@@ -307,10 +361,15 @@ class ScenePool:
     def __len__(self) -> int:
         return len(self.left)
 
-    def captions(self) -> list[str]:
-        """Each scene's caption, "a <colour> <shape> and a <colour> <shape>", in scene order."""
+    def captions(self, realistic: bool = False) -> list[str]:
+        """Each scene's caption in scene order: "a <colour> <shape> and a <colour> <shape>", or with `realistic`
+        one of `realistic_caption` (drawn from the pool's seed)."""
         pairs = self.tiles.pair_of_tile
-        return [caption(pairs[a], pairs[b]) for a, b in zip(self.left.tolist(), self.right.tolist())]
+        scenes = [(pairs[a], pairs[b]) for a, b in zip(self.left.tolist(), self.right.tolist())]
+        if not realistic:
+            return [caption(a, b) for a, b in scenes]
+        rng = random.Random(7919 * self.seed + 29)
+        return [realistic_caption(a, b, rng) for a, b in scenes]
 
     def draw(self, n: int, stream: str, generator: torch.Generator) -> torch.Tensor:
         """n scene indices."""

@@ -1,32 +1,39 @@
-"""Online balancing (data.balance=imba): sampling weights that follow the model's own IMBA distance, so the
-concepts and combinations it under-serves are drawn more often, and less again once it serves them.
+"""Online balancing (data.balance=imba): the count-based prior of data.balance=temperature, moved for a few groups
+of samples of like rarity by the model's own IMBA distance, and only as far as that distance tells a group apart
+from the average row beyond its own noise. Distances that carry no signal leave the stream at its prior.
 
-Signal. For a scored row (a sample of a training batch), d is its IMBA distance: the mean over its tokens of
-(target − unconditional prediction)², the quantity the IMBA loss weights tokens by. d depends strongly on the noise
-level t, so each row is read relative to the running mean distance at its level: n = d / m(bin of t), over `bins`
-equal bins of t in [0, 1) (10 by default, what training uses). A row counts once for each of its sample's entries (`data.balance.caption_entries`: its
-concepts, attribute:object bindings and object pairs). Before the first refresh rows only feed the means; a row at
-a level with no mean yet is read against the mean over all levels.
+Prior. A sample's prior factor is the temperature factor (`data.balance.balance_factors`): c_min^(-alpha) relative
+to the head, c_min the count of its rarest entry (`data.balance.caption_entries`: its concepts, attribute:object
+bindings and object pairs), each sample counted at its natural draw rate.
 
-Running statistics. Per entry e: S_e, the sum of the n of its rows, and C_e, their count; over all rows, the sum
-of n and the count (their mean n̄); per level bin the sums of d and counts. Every refresh first halves all of them (older windows fade: a refresh's window weighs as much as
-everything before it), then adds what the window since the last refresh observed. Every quantity is an integer
-in fixed point, so sums over ranks (`refresh(reduce)`) are exact and do not depend on their order or the number of
-processes: every rank derives the same weights.
+Groups. Samples fall into `groups` bands of equal width in log c_min, band 0 the rarest (a sample without entries
+counts as the most frequent entry, as in the prior). Each sample is in one band, so a scored row credits one group
+and no row is counted twice; a band holds many rows per refresh where a single rare entry holds a fraction of one.
 
-Rule. An entry's score is its mean n relative to the average row's, shrunk towards 1 by a prior of `PRIOR_ROWS`
-rows at the average: s_e = (S_e + PRIOR_ROWS · n̄) / ((C_e + PRIOR_ROWS) · n̄). Reading it relative to n̄ matters
-while the loss falls: the level means come from earlier windows, so every row's n is then below 1, and only how far
-an entry is from the average row tells it apart. At each refresh an entry observed in the window moves its
-weight by a power of its score, w_e ← clip(w_e · s_e^rate, 1, max_factor) (rate 1/2 by default, the square
-root): an entry whose rows the model
-predicts worse than average without their caption (s > 1) is drawn more at every refresh until its distance comes
-down to the average or its weight reaches `max_factor`; one whose distance has fallen below the average (s < 1)
-gives its extra draws back, down to its natural rate (w = 1). Weights start at 1 (the natural stream), and an
-entry never scored keeps 1. A sample's factor is the largest weight among its entries (1 for a sample without
-entries): a rare combination of common words is boosted by its combination's entry. The loader then draws each
-sample in proportion to natural rate × factor within its source (sources keep their shares), so no sample is
-drawn more than `max_factor` times its natural rate relative to the unboosted ones.
+Signal. For a scored row d is its IMBA distance (the mean over its tokens of (target - unconditional prediction)^2,
+the quantity the IMBA loss weights tokens by), read against the running mean distance at its noise level t:
+n = d / m(bin of t), over `bins` equal bins of t in [0, 1) (10 by default, what training uses); a row at a level
+with no mean yet is read against the mean over all levels, and before the first refresh rows only feed the means.
+
+Running statistics. Per group the sum of n, the sum of n^2 and the rows; over all rows the sum of n and the rows
+(their mean n-bar); per level bin the sums of d and rows. Every refresh first halves all of them (a refresh's window
+weighs as much as everything before it), then adds the window since the last refresh. Every quantity is an integer
+in fixed point, so sums over ranks (`refresh(reduce)`) are exact whatever their order or the number of processes,
+and every rank derives the same factors.
+
+Rule, at each refresh. A group's ratio r_g = (its mean n) / n-bar and that ratio's standard error se_g (its rows'
+standard deviation over the square root of its rows, over n-bar; the halved counts make it conservative). Its
+evidence is the part of the deviation beyond `SIGNIFICANCE` standard errors: e_g = sign(r_g - 1) ·
+max(0, |r_g - 1| - SIGNIFICANCE · se_g), and 0 for a group with fewer than `MIN_ROWS` rows. Its target multiplier is
+T_g = clip((1 + e_g)^rate, 1 / max_factor, max_factor) (rate 4: a group 20 % further from its unconditional
+prediction than the average row, beyond the noise, is drawn about twice its prior), and its multiplier moves half
+way there in log: M_g <- sqrt(M_g · T_g). A sample's factor is prior × M of its group; the loader draws each sample
+in proportion to natural rate × factor within its source (sources keep their shares).
+
+Why groups and a threshold. A rule that multiplies a weight per entry by its score at every refresh is a random
+walk when the score is noise, and with a floor at the natural rate it can only drift up: fed distances with no
+signal, such a rule boosted most entries. Here the multiplier is a function of the current evidence, which is 0
+when the distance does not separate a group from the average row, so noise returns every group to its prior.
 """
 
 from __future__ import annotations
@@ -36,34 +43,54 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .balance import ConceptTable, reduce_over_entries
+from .balance import BalanceSettings, ConceptTable, balance_factors, entry_counts, reduce_over_entries
 
-__all__ = ["FACTOR_ONE", "PRIOR_ROWS", "OnlineBalance"]
+__all__ = ["FACTOR_ONE", "MIN_ROWS", "SIGNIFICANCE", "OnlineBalance", "rarity_groups"]
 
-FACTOR_ONE = 1 << 16  # fixed point of weights, factors and scores: FACTOR_ONE = 1.0
+FACTOR_ONE = 1 << 16  # fixed point of multipliers, factors and scores: FACTOR_ONE = 1.0
 DISTANCE_ONE = 1 << 20  # fixed point of the distances summed per level bin
-PRIOR_ROWS = 8  # rows at score 1 that every entry's mean score is shrunk with
-MAX_SCORE = 64  # one row's n is clipped here: a single outlier row cannot move an entry's weight far
-_ARRAYS = ("bin_sum", "bin_rows", "entry_sum", "entry_rows", "row_sum", "row_count")
+SIGNIFICANCE = 3.0  # standard errors a group's ratio must clear before it moves the group
+MIN_ROWS = 8  # rows a group needs (after fading) before its standard error is trusted
+MAX_SCORE = 64  # one row's n is clipped here: a single outlier row cannot move a group far
+RULE = "prior-groups"  # what a saved state was made by: states of another rule are refused
+_ARRAYS = ("bin_sum", "bin_rows", "group_sum", "group_sq", "group_rows", "row_sum", "row_count")
+
+
+def rarity_groups(rarest: np.ndarray, groups: int) -> np.ndarray:
+    """Each sample's band (0 = rarest) among `groups` bands of equal width in log `rarest` (the counts of the
+    samples' rarest entries), int64; one band when every count is the same."""
+    logs = np.log(np.maximum(np.asarray(rarest, np.float64), 1e-300))
+    low, high = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
+    if high <= low:
+        return np.zeros(logs.size, np.int64)
+    return np.minimum((groups * (logs - low) / (high - low)).astype(np.int64), groups - 1)
 
 
 class OnlineBalance:
-    """The running IMBA distance per entry of `table` and the entry weights it sets (see the module doc)."""
+    """The temperature prior of `table`'s samples and the per-group multipliers the IMBA distance sets on it (see the
+    module doc). `rate`: the samples' natural draw rates, which the entry counts are taken at (default 1 each)."""
 
-    def __init__(self, table: ConceptTable, max_factor: float = 16.0, bins: int = 10, rate: float = 0.5):
+    def __init__(self, table: ConceptTable, alpha: float = 0.5, groups: int = 4, max_factor: float = 4.0,
+                 bins: int = 10, rate: float = 4.0, natural: np.ndarray | None = None):
         if not (np.isfinite(max_factor) and max_factor >= 1):
-            raise ValueError(f"max_factor must be >= 1 (1 = natural), got {max_factor}")
+            raise ValueError(f"max_factor must be >= 1 (1 = the prior), got {max_factor}")
         if not (np.isfinite(rate) and rate > 0):
             raise ValueError(f"rate must be > 0, got {rate}")
-        if bins < 1:
-            raise ValueError(f"bins must be >= 1, got {bins}")
+        if bins < 1 or groups < 1:
+            raise ValueError(f"bins and groups must be >= 1, got {bins} and {groups}")
         self.table, self.max_factor, self.bins, self.rate = table, float(max_factor), int(bins), float(rate)
-        entries = len(table.entries)
-        sizes = {"bin_sum": bins, "bin_rows": bins, "entry_sum": entries, "entry_rows": entries, "row_sum": 1,
-                 "row_count": 1}
+        self.alpha, self.groups = float(alpha), int(groups)
+        prior = balance_factors(table, BalanceSettings("temperature", self.alpha), natural)
+        self.prior = np.rint(prior * FACTOR_ONE).astype(np.int64)  # >= FACTOR_ONE: the head's factor is 1
+        counts = entry_counts(table, natural)
+        head = float(counts.max()) if counts.size else 1.0
+        self.rarest = reduce_over_entries(counts, table, np.minimum, empty=head)
+        self.group_of = rarity_groups(self.rarest, self.groups)
+        sizes = {"bin_sum": bins, "bin_rows": bins, "group_sum": groups, "group_sq": groups, "group_rows": groups,
+                 "row_sum": 1, "row_count": 1}
         self.running = {k: np.zeros(n, np.int64) for k, n in sizes.items()}
         self.window = {k: np.zeros(n, np.int64) for k, n in sizes.items()}  # this process's, since the refresh
-        self.weights = np.full(entries, FACTOR_ONE, np.int64)
+        self.weights = np.full(groups, FACTOR_ONE, np.int64)  # M_g, per group
         self.refreshes = 0
 
     # ---- observing --------------------------------------------------------------------------------------------
@@ -92,15 +119,10 @@ class OnlineBalance:
         score = np.rint(n * FACTOR_ONE).astype(np.int64)
         self.window["row_sum"][0] += score.sum()
         self.window["row_count"][0] += FACTOR_ONE * score.size
-        ptr = self.table.ptr
-        first, lengths = ptr[idx], ptr[idx + 1] - ptr[idx]
-        if lengths.sum() == 0:
-            return
-        # the entry ids of every kept row, laid end to end
-        offsets = np.repeat(first - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-        ids = self.table.ids[np.arange(lengths.sum()) + offsets]
-        np.add.at(self.window["entry_sum"], ids, np.repeat(score, lengths))
-        np.add.at(self.window["entry_rows"], ids, FACTOR_ONE)
+        g = self.group_of[idx]
+        np.add.at(self.window["group_sum"], g, score)
+        np.add.at(self.window["group_sq"], g, (score * score) >> 16)  # n^2 in FACTOR_ONE units
+        np.add.at(self.window["group_rows"], g, FACTOR_ONE)
 
     # ---- refreshing -------------------------------------------------------------------------------------------
     def window_arrays(self) -> list[np.ndarray]:
@@ -115,64 +137,88 @@ class OnlineBalance:
 
     def refresh(self, reduce: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None) -> None:
         """Fold the window (summed over processes by `reduce`, which must return the element-wise sums of every
-        process's `window_arrays()`, e.g. an all-reduce) into the running statistics and update the weights."""
+        process's `window_arrays()`, e.g. an all-reduce) into the running statistics and move the multipliers."""
         window = reduce(self.window_arrays()) if reduce is not None else self.window_arrays()
         window = dict(zip(_ARRAYS, (np.asarray(a, np.int64) for a in window)))
         for k in _ARRAYS:
             self.running[k] = (self.running[k] >> 1) + window[k]
             self.window[k] = np.zeros_like(self.window[k])
-        seen = window["entry_rows"] > 0
-        score = self.scores()[seen]
-        moved = np.rint(self.weights[seen] * score ** self.rate)
-        self.weights[seen] = np.clip(moved, FACTOR_ONE, round(self.max_factor * FACTOR_ONE)).astype(np.int64)
+        target = self.targets()
+        moved = np.rint(np.sqrt(self.weights.astype(np.float64) * target))
+        low, high = round(FACTOR_ONE / self.max_factor), round(FACTOR_ONE * self.max_factor)
+        self.weights = np.clip(moved, low, high).astype(np.int64)
         self.refreshes += 1
 
     # ---- reading ----------------------------------------------------------------------------------------------
-    def scores(self) -> np.ndarray:
-        """Each entry's current score s_e (float; 1 for an entry never scored)."""
-        rows = int(self.running["row_count"][0])
-        mean = int(self.running["row_sum"][0]) / rows if rows else 1.0  # n̄
-        prior = PRIOR_ROWS * FACTOR_ONE
-        return (self.running["entry_sum"] + prior * mean) / ((self.running["entry_rows"] + prior) * mean)
+    def evidence(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per group (float): the ratio r_g, its standard error se_g and the evidence e_g (see the module doc)."""
+        rows = self.running["group_rows"] / FACTOR_ONE
+        count = int(self.running["row_count"][0])
+        mean_all = int(self.running["row_sum"][0]) / count if count else 1.0  # n-bar
+        safe = np.maximum(rows, 1e-12)
+        mean = self.running["group_sum"] / FACTOR_ONE / safe
+        var = np.maximum(self.running["group_sq"] / FACTOR_ONE / safe - mean * mean, 0.0)
+        ratio = np.where(rows > 0, mean / mean_all, 1.0)
+        se = np.sqrt(var / safe) / mean_all
+        excess = np.maximum(np.abs(ratio - 1) - SIGNIFICANCE * se, 0.0)
+        evidence = np.where(rows >= MIN_ROWS, np.sign(ratio - 1) * excess, 0.0)
+        return ratio, se, evidence
+
+    def targets(self) -> np.ndarray:
+        """Each group's target multiplier T_g in FACTOR_ONE units (float): (1 + e_g)^rate, within
+        [1 / max_factor, max_factor]."""
+        _, _, evidence = self.evidence()
+        log_target = self.rate * np.log(np.maximum(1.0 + evidence, 1e-12))
+        bound = np.log(self.max_factor)
+        return FACTOR_ONE * np.exp(np.clip(log_target, -bound, bound))
 
     def sample_factors(self, weights: np.ndarray | None = None) -> np.ndarray:
-        """Each sample's factor, int64 in FACTOR_ONE units: the largest weight among its entries (of `weights`, by
-        default the current ones)."""
-        weights = self.weights if weights is None else weights
-        factors = reduce_over_entries(weights.astype(np.float64), self.table, np.maximum, empty=FACTOR_ONE)
-        return factors.astype(np.int64)  # weights are integers below 2**53: exact through float64
+        """Each sample's factor, int64 in FACTOR_ONE units: its prior times its group's multiplier (of `weights`,
+        by default the current ones); at least 1."""
+        weights = self.weights if weights is None else np.asarray(weights, np.int64)
+        return np.maximum((self.prior * weights[self.group_of]) >> 16, 1)
 
-    def describe(self, top: int = 5) -> str:
-        """One line: refreshes, boosted entries, and the most boosted ones."""
-        boosted = np.flatnonzero(self.weights > FACTOR_ONE)
-        order = boosted[np.argsort(-self.weights[boosted], kind="stable")][:top]
-        most = ", ".join(f"{self.table.entries[k]} {self.weights[k] / FACTOR_ONE:.2f}x" for k in order)
-        return (f"online balance: {self.refreshes} refreshes, {boosted.size} of {len(self.weights)} entries boosted"
-                + (f" (most: {most})" if most else ""))
+    def describe(self) -> str:
+        """One line: refreshes, and each rarity group's multiplier of its prior with the rarest-entry counts it
+        spans."""
+        parts = []
+        for g in range(self.groups):
+            members = self.rarest[self.group_of == g]
+            if members.size:
+                parts.append(f"{members.min():,.0f}-{members.max():,.0f}: {self.weights[g] / FACTOR_ONE:.2f}x")
+        return (f"online balance: {self.refreshes} refreshes; draws x prior by rarest-entry count "
+                + ", ".join(parts))
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"running": {k: v.copy() for k, v in self.running.items()},
+        return {"rule": RULE, "running": {k: v.copy() for k, v in self.running.items()},
                 "window": {k: v.copy() for k, v in self.window.items()},
                 "weights": self.weights.copy(), "refreshes": self.refreshes, "entries": len(self.table.entries),
-                "entries_digest": _entries_digest(self.table.entries), "bins": self.bins, "max_factor": self.max_factor}
+                "entries_digest": _entries_digest(self.table.entries), "bins": self.bins, "groups": self.groups,
+                "max_factor": self.max_factor}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("rule") != RULE:
+            raise ValueError("the online balance state was saved by the per-entry rule of an earlier version of "
+                             "data.balance=imba: resume it with that version, or fine-tune from the checkpoint's "
+                             "weights to start the balance afresh")
         if state["entries"] != len(self.table.entries) or state["bins"] != self.bins:
             raise ValueError(f"the online balance state was saved for {state['entries']} entries and "
                              f"{state['bins']} level bins, this run has {len(self.table.entries)} and {self.bins}: "
                              f"the captions or their concept vocabulary changed")
-        digest = _entries_digest(self.table.entries)
-        if state.get("entries_digest", digest) != digest:  # a state saved without the digest holds only the count
+        if state["groups"] != self.groups:
+            raise ValueError(f"the online balance state was saved for {state['groups']} rarity groups, this run has "
+                             f"{self.groups} (data.balance_groups)")
+        if state["entries_digest"] != _entries_digest(self.table.entries):
             raise ValueError("the online balance state was saved for other entries (other names, or numbered in "
                              "another order) than this run's: the captions or their concept vocabulary changed")
         self.running = {k: np.asarray(v, np.int64).copy() for k, v in state["running"].items()}
         self.window = {k: np.asarray(v, np.int64).copy() for k, v in state["window"].items()}
-        self.weights = np.asarray(state["weights"], np.int64).copy()
         self.refreshes = int(state["refreshes"])
-        self.weights = np.minimum(self.weights, round(self.max_factor * FACTOR_ONE))  # a lowered max_factor holds
+        low, high = round(FACTOR_ONE / self.max_factor), round(FACTOR_ONE * self.max_factor)
+        self.weights = np.clip(np.asarray(state["weights"], np.int64), low, high)  # a lowered max_factor holds
 
 
 def _entries_digest(entries: Sequence[str]) -> str:
-    """The entry names in their order, hashed: a state's weights are indexed by entry id."""
+    """The entry names in their order, hashed: the groups are derived from the entries' counts."""
     return hashlib.sha256("\n".join(entries).encode()).hexdigest()

@@ -48,17 +48,21 @@ class DataConfig:
     epoch_samples: int = 0  # draws per epoch with data.sources or data.balance; 0 = the samples of the sources
     # sampling weights from the captions' concepts (data/balance.py): none | temperature (weight = count of the
     # sample's rarest concept or combination ^ -balance_alpha) | cap (MetaCLIP: entries above balance_cap drawn less)
-    # | imba (online: concepts and combinations drawn more while the model's IMBA distance on them is above the
-    # average, data/online_balance.py)
+    # | imba (online: the temperature prior, each rarity group's draws moved by the model's IMBA distance where it
+    # separates the group from the average row beyond noise, data/online_balance.py)
     balance: str = "none"
-    balance_alpha: float = 0.5  # temperature: 0 = natural, 1 = every rarest entry drawn about equally often
+    # temperature, and imba's prior: 0 = natural, 1 = every rarest entry drawn about equally often
+    balance_alpha: float = 0.5
     balance_cap: int = 0  # cap: the threshold count t (MetaCLIP: 20000 for 400M captions)
-    balance_every: int = 100  # imba: steps between weight refreshes
+    balance_every: int = 100  # imba: steps between refreshes of the groups' multipliers
     # imba with the plain loss: share of each batch's rows scored by a no-grad unconditional pass (the IMBA loss
     # scores every row itself, at no extra cost)
     balance_fraction: float = 0.125
-    balance_max: float = 16.0  # imba: the most a concept's draws may be multiplied by (1 = natural)
-    balance_rate: float = 0.5  # imba: each refresh multiplies a concept's weight by its score ** balance_rate
+    balance_groups: int = 4  # imba: bands of equal width in log(count of the rarest entry), each moved as one
+    balance_max: float = 4.0  # imba: a group is drawn between 1/balance_max and balance_max times its prior
+    # imba: a group whose distance ratio exceeds the average row's by e beyond noise targets (1 + e) ** balance_rate
+    # times its prior
+    balance_rate: float = 4.0
     # true: each rank writes the sample indices of every batch it trains on to <train.output_dir>/draws/rank_R.jsonl
     # ({"step": s, "indices": [...]} a micro-batch, in order; a resume keeps the rows up to its checkpoint): what
     # the model was trained on, to audit a mix, a balance or a resume. Indexed reading only (samples have an index)
@@ -79,8 +83,9 @@ class DataConfig:
         "balance_alpha": ">= 0",
         "balance_cap": ">= 0 (0 = not set)",
         "balance_every": ">= 1",
+        "balance_groups": ">= 1",
         "balance_fraction": "in (0, 1]",
-        "balance_max": ">= 1 (1 = natural)",
+        "balance_max": ">= 1 (1 = the prior)",
         "balance_rate": "> 0",
     }
 

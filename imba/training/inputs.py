@@ -191,13 +191,15 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
         while (table := load_entry_table(folder, fingerprint)) is None:
             time.sleep(PLAN_POLL_S)
     accelerator.wait_for_everyone()
-    starts = SourceMix(sources, index.nsamples, d.epoch_samples).starts
+    mix = SourceMix(sources, index.nsamples, d.epoch_samples)
     lag = loader_lag(d.num_workers, d.loader_threads, cfg.train.grad_accum)
-    accelerator.print(f"data: balanced online by the IMBA distance of {len(table.entries):,} concepts and "
-                      f"combinations: weights refreshed every {d.balance_every} steps (in effect {lag} steps later), "
-                      f"by score^{d.balance_rate:g}, at most {d.balance_max:g}x natural")
-    balance = OnlineBalance(table, max_factor=d.balance_max, rate=d.balance_rate)
-    return OnlineBalancer(balance, plan.units, starts, plan.samples_per_epoch,
+    accelerator.print(f"data: balanced online by the IMBA distance: the temperature prior (alpha {d.balance_alpha:g}) "
+                      f"over {len(table.entries):,} concepts and combinations, {d.balance_groups} rarity groups "
+                      f"each moved within {d.balance_max:g}x of it every {d.balance_every} steps (in effect {lag} "
+                      f"steps later)")
+    balance = OnlineBalance(table, alpha=d.balance_alpha, groups=d.balance_groups, max_factor=d.balance_max,
+                            rate=d.balance_rate, natural=mix.rate)
+    return OnlineBalancer(balance, plan.units, mix.starts, plan.samples_per_epoch,
                           cfg.train.seed, every=d.balance_every, fraction=d.balance_fraction, lag=lag,
                           patch_size=patch_size, num_train_timesteps=num_train_timesteps,
                           rank=accelerator.process_index)

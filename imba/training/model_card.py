@@ -55,8 +55,9 @@ def _data_line(cfg: Config) -> str:
     elif d.balance == "cap":
         text += f", balanced by concepts (cap {d.balance_cap})"
     elif d.balance == "imba":
-        text += (f", balanced online by the IMBA distance (refreshed every {d.balance_every} steps by score^"
-                 f"{d.balance_rate:g}, at most {d.balance_max:g}x natural)")
+        text += (f", balanced online by the IMBA distance (the temperature prior, alpha {d.balance_alpha:g}, "
+                 f"{d.balance_groups} rarity groups each moved within {d.balance_max:g}x of it, every "
+                 f"{d.balance_every} steps)")
     return text
 
 
