@@ -123,7 +123,7 @@ VARIANTS = {
     "caption_balanced": dict(kind="plain", stream="caption", alpha=0.5),
     "caption_balanced_a1": dict(kind="plain", stream="caption", alpha=1.0),
     # data.online_balance.OnlineBalance with its defaults, stated before its runs: the temperature prior of
-    # caption_balanced (alpha 0.5), four rarity groups, each moved by its IMBA distance beyond 3 standard errors
+    # caption_balanced (alpha 0.5), four rarity groups, each moved by its IMBA distance beyond 4 standard errors
     "imba_grouped": dict(kind="plain", stream="imba_online", alpha=0.5),
 }
 WEIGHTED_STREAMS = ("caption", "imba_online")
