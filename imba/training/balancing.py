@@ -45,7 +45,9 @@ class OnlineBalancer:
         if every < 1 or lag < 1 or not 0 < fraction <= 1:
             raise ValueError(f"need every >= 1, lag >= 1 and 0 < fraction <= 1 (got {every}, {lag}, {fraction})")
         self.balance, self.base_units, self.starts = balance, np.asarray(base_units, np.int64), source_starts
-        self.order = SegmentedOrder(self.base_units, samples_per_epoch, seed)
+        # before the first refresh the stream is the balance's prior
+        self.order = SegmentedOrder(reweighted_units(self.base_units, balance.sample_factors(), source_starts),
+                                    samples_per_epoch, seed)
         self.every, self.fraction, self.lag, self.rank = every, fraction, lag, rank
         self.patch_size, self.num_train_timesteps = patch_size, num_train_timesteps
         self.segments: list[tuple[int, np.ndarray]] = []  # (start position, entry weights), oldest still needed first
