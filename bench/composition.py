@@ -1366,7 +1366,7 @@ def main(argv: list[str] | None = None) -> int:
         if curves:
             plot_monitor(curves, args.out / f"monitor_{world}.png",
                          ylabel="mean IMBA distance d over the object's tokens",
-                         title=f"{world}: IMBA distance per bucket of the object's pair (mean over seeds)")
+                         title=f"{world}: IMBA distance per bucket (seed mean)")
         summaries_prompt[world] = summaries["per_pair"]
         per_world[world] = {
             "summary": {m: {str(k): v for k, v in s.items()} for m, s in summaries.items()},
