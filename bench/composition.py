@@ -76,9 +76,10 @@ for path in (str(REPO), str(REPO / "bench")):
 import torch  # noqa: E402
 
 from composition_scenes import (BUCKETS, COLOURS, FAILURES, IMAGES_OF, SHAPES, TILE, WORLDS, Oracle,  # noqa: E402
-                                PairWorld,
-                                ScenePool, TilePool, WordEncoder, bucket_success, judge, oracle_per_class,
-                                pair_name, probe_prompts, train_oracle)
+                                PairWorld, ScenePool, TilePool, WordEncoder, bucket_success, judge,
+                                oracle_per_class, pair_name, probe_prompts, train_oracle)
+
+from data.online_balance import FACTOR_ONE  # noqa: E402
 
 # kind / reference / normalize / estimator: imba.training_loss.TrainingLoss; stream: which objects are drawn
 # (composition_scenes.STREAMS), or, in fixed-scene mode, which scenes, in proportion to a factor per scene from its
@@ -252,9 +253,6 @@ def half_weighted_loss(pred: torch.Tensor, target: torch.Tensor, left: torch.Ten
     weights = torch.cat([left[:, None, None, None].expand(-1, 1, 1, width),
                          right[:, None, None, None].expand(-1, 1, 1, err.shape[-1] - width)], dim=3)
     return (err * weights).mean()
-
-
-from data.online_balance import FACTOR_ONE  # noqa: E402
 
 
 class WeightedScenes:
@@ -846,6 +844,7 @@ def run_facts(runs: list[dict], length: int) -> dict:
             row["oracle_disagreement"] = max(abs(a[k] - b[k]) for k in a)
         row.update({f"stream_{k}": v for k, v in r.get("stream_factors", {}).items()})
         rows.setdefault(run["variant"], []).append(row)
+
     def mean(values: list):  # a list-valued fact (one value per rarity group) element-wise
         if isinstance(values[0], list):
             return [statistics.fmean(column) for column in zip(*values)]

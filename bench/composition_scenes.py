@@ -216,8 +216,9 @@ def realistic_caption(left: tuple[int, int], right: tuple[int, int], rng: random
         shapes = f"{shape}{'es' if shape.endswith(('s', 'x')) else 's'}"
         if w1 is not None and w1 == w2:
             shapes, named = f"{w1} {shapes}", []
-        text = f"two {shapes}" + (f", one {named[0]} and one {named[1]}" if len(named) == 2 else
-                                             f", one of them {named[0]}" if named else "")
+        which = (f", one {named[0]} and one {named[1]}" if len(named) == 2
+                 else f", one of them {named[0]}" if named else "")
+        text = f"two {shapes}{which}"
     else:
         after = w1 is not None and rng.random() < ATTRIBUTE_AFTER
         a = f"{word(SHAPES[s1])} in {w1}" if after else " ".join(w for w in (w1, word(SHAPES[s1])) if w)
