@@ -24,7 +24,7 @@ from data.skips import reader_stats
 from imba.monitor import BucketMonitor
 from imba.objectives import build_objective
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
-from imba.training.checkpoints import (CHECKPOINTS_DIR, TrainState, newest_intact, register, register_state,
+from imba.training.checkpoints import (TrainState, newest_intact, register, register_state,
                                        save_checkpoint)
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
@@ -37,6 +37,7 @@ from imba.training.metrics import DrawLog, JsonlLogger, MetricWindow, Throughput
 from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
+from imba.training.run_folder import RunFolder
 from imba.training.sampling import GridSampler, prompts_from_data
 from imba.training.setting_changes import check_resumed_settings
 from imba.training.text_check import check_captions_readable
@@ -49,7 +50,8 @@ from models.pipeline import PIPELINES, build_pipeline, export_pipeline
 def main(argv: list[str]) -> int:
     # ---- config and accelerator -------------------------------------------------------------------------------
     cfg = load_config(argv)
-    out = Path(cfg.train.output_dir)
+    run = RunFolder(cfg.train.output_dir)
+    out = run.root
     accelerator = make_accelerator(cfg, out)
     device, is_main = accelerator.device, accelerator.is_main_process
     accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> int:
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     # which checkpoint, and whether this run's settings may continue it: known before any long work
-    checkpoint_root = out / CHECKPOINTS_DIR
+    checkpoint_root = run.checkpoints
     resume = plan_resume(cfg.train.resume, checkpoint_root, accelerator)
     if resume.checkpoint is not None and (changes := check_resumed_settings(cfg, resume.checkpoint)):
         accelerator.print(changes)
@@ -101,7 +103,7 @@ def main(argv: list[str]) -> int:
         register(accelerator, "online_balance", balancer)
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
-    global_batch = cfg.data.batch_size * cfg.train.grad_accum * accelerator.num_processes  # samples per step
+    global_batch = cfg.global_batch(accelerator.num_processes)  # samples per step
     accelerator.print(f"batch: {global_batch} samples a step ({cfg.data.batch_size} per process × "
                       f"{cfg.train.grad_accum} accumulation steps × {accelerator.num_processes} processes); text "
                       f"encoder {cfg.model.text_encoder} ({cfg.model.max_text_tokens} tokens), VAE {cfg.model.vae}")
@@ -125,11 +127,11 @@ def main(argv: list[str]) -> int:
                         accelerator=accelerator)
     if is_main:  # only once the run starts: a start that fails leaves no config behind
         out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
+        save_config(cfg, run.config)
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
-    metrics_log = JsonlLogger(out / "metrics.jsonl", keep_until=state.step) if is_main else None
+    metrics_log = JsonlLogger(run.metrics, keep_until=state.step) if is_main else None
     # data.record_draws: the sample indices each rank trains on
-    draws_log = DrawLog(out, accelerator.process_index, state.step) if cfg.data.record_draws else None
+    draws_log = DrawLog(run.draw_log(accelerator.process_index), state.step) if cfg.data.record_draws else None
     window, monitor = MetricWindow(), BucketMonitor()
     validator = Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
@@ -233,13 +235,13 @@ def main(argv: list[str]) -> int:
           + (f"; data: {data_stats.summary()}" if data_stats is not None else ""))
 
     # ---- last grid, export: EMA weights + frozen parts as a stock diffusers pipeline folder ------------------
-    export_dir = out / "export"
+    export_dir = run.export
     ema_model = grids.save(dit, ema, state.step)  # a clean instance: no compile/checkpointing state
     if is_main:
         export_pipeline(build_pipeline(transformer=ema_model, **grids.pipeline_parts()), export_dir)
         export_adapter(export_dir, dit, ema, cfg)  # model.lora_rank: the adapters alone, in lora/
         write_model_card(export_dir, cfg, state.step, accelerator.num_processes,
-                         grid=out / "samples" / f"step_{state.step:07d}.png")  # the Hub's model page
+                         grid=run.sample_grid(state.step))  # the Hub's model page
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
               f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
               f"({PIPELINES[grids.pipeline].__name__}.from_pretrained('{export_dir}'))")

@@ -15,6 +15,7 @@ from imba.training.config import ConfigError, load_config
 from imba.training.inputs import make_loader, training_sources
 from imba.training.metrics import DrawLog, JsonlLogger
 from imba.training.resume import StreamPosition, global_batch_change, stream_position
+from imba.training.run_folder import RunFolder
 
 # 24 samples: every segment below starts the plain order at a whole global batch of its process count, and an epoch
 # is whole global batches for 1, 2 and 4 x 2 samples, so the plain order is one global stream too
@@ -166,7 +167,7 @@ def test_the_metrics_log_keeps_the_rows_up_to_the_resumed_step(tmp_path):
 
 
 def test_the_draw_log_names_each_micro_batch_and_refuses_a_batch_without_indices(tmp_path):
-    log = DrawLog(tmp_path, rank=1, keep_until=0)
+    log = DrawLog(RunFolder(tmp_path).draw_log(1), keep_until=0)
     log.add(1, {"indices": [3, 1]})
     log.add(1, {"indices": [0, 2]})
     rows = [json.loads(line) for line in (tmp_path / "draws" / "rank_1.jsonl").read_text().splitlines()]

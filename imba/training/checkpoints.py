@@ -69,10 +69,10 @@ from accelerate.utils import gather_object
 from data.files import atomic_write, read_json_object, write_json
 from imba.training.config import ConfigError
 from imba.training.integrity import check_manifest, folder_manifest, fsync_dir, fsync_tree
+from imba.training.run_folder import CHECKPOINTS_DIR
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_step_"
-CHECKPOINTS_DIR = "checkpoints"  # a run's checkpoints, in train.output_dir
 LATEST = "latest"
 FORMAT = 2  # the layout this code writes (the module docstring), as "format" in manifest.json; none there: 1
 EMA_STATE_FILE = "ema.pt"  # the registered part "ema": `<name>.pt`

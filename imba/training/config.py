@@ -149,6 +149,10 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def global_batch(self, processes: int) -> int:
+        """Samples per optimizer step over all processes: per process × accumulation steps × processes."""
+        return self.data.batch_size * self.train.grad_accum * processes
+
 
 # Decimal float spellings, with or without an exponent; YAML 1.1 reads the ones without a dot or an exponent sign
 # (1e-4, 1E-4, +1e-4) as strings.

@@ -23,6 +23,7 @@ from imba.training.checkpoints import CONFIG_FILE, checkpoint_format, load_ema_s
 from imba.training.config import Config, ConfigError, load_config
 from imba.training.ema import ema_weights_copy, make_ema
 from imba.training.model_card import write_model_card
+from imba.training.run_folder import RunFolder
 from models.lora import has_lora, save_adapter
 from models.pipeline import build_pipeline, export_pipeline, is_pipeline_folder
 
@@ -52,7 +53,7 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksum
                                    pipeline=pipeline_kind(cfg), **encoders.pipeline_parts()), export_dir)
     export_adapter(export_dir, transformer, ema, cfg)
     step = load_ema_state(checkpoint)["optimization_step"]
-    write_model_card(export_dir, cfg, step, grid=checkpoint.parent.parent / "samples" / f"step_{step:07d}.png")
+    write_model_card(export_dir, cfg, step, grid=RunFolder(checkpoint.parent.parent).sample_grid(step))
     return export_dir
 
 

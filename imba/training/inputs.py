@@ -34,10 +34,9 @@ from data.weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrd
 from imba.training.balancing import OnlineBalancer, loader_lag
 from imba.training.config import Config, ConfigError
 from imba.training.resume import StreamPosition
+from imba.training.run_folder import RunFolder
 
-FEATURES_DIR = "features"  # <train.output_dir>/features/{train,val}: data.precompute=true's encoded shards
 SOURCE_NAME = "source.json"  # which input shards (and their sizes and times) a features folder was encoded from
-PLAN_DIR = "data"  # <train.output_dir>/data: the draw plan of data.sources / data.balance and its report
 PLAN_POLL_S = 1.0  # how often the other ranks look for the plan the main process is computing
 
 
@@ -47,7 +46,7 @@ def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[st
         return expand_urls(cfg.data.shards)
     if cfg.data.sources:
         raise ValueError("training_shards: the run reads data.sources (training_sources)")
-    folder = Path(cfg.data.synthetic_dir or out / "synthetic_shards")
+    folder = Path(cfg.data.synthetic_dir or RunFolder(out).synthetic_train)
     write = dict(num_samples=cfg.data.synthetic_samples, resolution=cfg.data.resolution, seed=cfg.train.seed)
     if accelerator.is_main_process:
         write_synthetic_shards(folder, progress=True, **write)
@@ -100,7 +99,7 @@ def precompute_once(cfg: Config, accelerator: Accelerator, out: Path, shards: li
     if find_manifest(shards) is not None:
         raise ConfigError("data.precompute=true: data.shards already holds precomputed features; set "
                           "data.precompute=false")
-    folder = out / FEATURES_DIR / name
+    folder = RunFolder(out).features(name)
     settings = precompute_settings(cfg)
     source = {"shards": _source(shards), "settings": settings.as_dict()}
     if accelerator.is_main_process and read_json_object(folder / SOURCE_NAME) != json.loads(json.dumps(source)):
@@ -139,7 +138,7 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> t
     """The run's draw plan (data.sources shares, data.balance weights) and the index it is made for: computed by the
     main process into <train.output_dir>/data/ (reused while its fingerprint holds), described and plotted there,
     read by the others."""
-    d, folder = cfg.data, Path(cfg.train.output_dir) / PLAN_DIR
+    d, folder = cfg.data, RunFolder(cfg.train.output_dir).plan
     shards = all_shards(sources)
     with accelerator.main_process_first():
         index = load_or_build_index(shards)
@@ -183,7 +182,7 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
     if d.balance != "imba":
         return None
     plan, index = draw_plan(cfg, accelerator, sources)
-    folder, fingerprint = Path(cfg.train.output_dir) / PLAN_DIR, plan.report["fingerprint"]
+    folder, fingerprint = RunFolder(cfg.train.output_dir).plan, plan.report["fingerprint"]
     if accelerator.is_main_process:
         table = entry_table(index, folder, fingerprint, _extractor(cfg), d.caption_field,
                             workers=_caption_workers(index), progress=True)
@@ -211,7 +210,7 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], po
     any process count, for the weighted stream (data.sources, data.balance; data.balance=imba: `balancer`'s stream);
     in indexed mode at the global batch the position falls in; in streaming mode reseeded from it."""
     d, world = cfg.data, accelerator.num_processes
-    per_step = cfg.train.grad_accum * world * d.batch_size
+    per_step = cfg.global_batch(world)
     step, samples = position.step, position.samples
     sampler = None
     if d.weighted():
@@ -259,7 +258,7 @@ def concept_bucketer(cfg: Config, accelerator: Accelerator, shards: list[str], o
     if path == "none" or (path == "auto" and not cfg.data.synthetic()):
         return None
     if path == "auto":  # synthetic data: count its concepts (a second or two) once, and again when it is rewritten
-        path = out / "concepts" / "concepts.json"
+        path = RunFolder(out).concept_stats
         stale = not path.is_file() or path.stat().st_mtime < max(Path(s).stat().st_mtime for s in shards)
         if accelerator.is_main_process and stale:
             write_stats(collect_stats(shards), path.parent)

@@ -73,11 +73,11 @@ class JsonlLogger:
 
 class DrawLog:
     """data.record_draws: the sample indices of every batch this rank trains on, one row a micro-batch in order,
-    in `<output_dir>/draws/rank_<rank>.jsonl` ({"step": s, "indices": [...]}); a resume at step s keeps the rows up
-    to s. Over the ranks, step s's k-th rows of ranks 0, 1, ... are consecutive positions of the global stream."""
+    in `path` (the run folder's `draw_log(rank)`; {"step": s, "indices": [...]}); a resume at step s keeps the rows
+    up to s. Over the ranks, step s's k-th rows of ranks 0, 1, ... are consecutive positions of the global stream."""
 
-    def __init__(self, output_dir: Path, rank: int, keep_until: int) -> None:
-        self.log = JsonlLogger(Path(output_dir) / "draws" / f"rank_{rank}.jsonl", keep_until)
+    def __init__(self, path: Path, keep_until: int) -> None:
+        self.log = JsonlLogger(Path(path), keep_until)
 
     def add(self, step: int, batch: dict) -> None:
         if "indices" not in batch:

@@ -85,7 +85,7 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
         header["base_model"] = base
     batch = f"{cfg.data.batch_size} per process × {cfg.train.grad_accum} accumulation steps"
     if processes:
-        batch += f" × {processes} processes = {cfg.data.batch_size * cfg.train.grad_accum * processes}"
+        batch += f" × {processes} processes = {cfg.global_batch(processes)}"
     started = f"fine-tuned from `{cfg.model.pretrained}`" if cfg.model.pretrained else (
         f"trained from scratch (preset `{cfg.model.preset}`)")
     m = cfg.model

@@ -15,6 +15,7 @@ from data.urls import expand_urls
 from imba.training.build import load_encoders, pipeline_kind
 from imba.training.config import SYNTHETIC_PROMPTS, Config
 from imba.training.ema import ema_weights_copy
+from imba.training.run_folder import RunFolder
 from imba.training.text_check import sample_captions
 from models.encoders import FrozenEncoders
 from models.pipeline import save_grid
@@ -60,7 +61,7 @@ class GridSampler:
         elsewhere). Every rank must call it: under ZeRO-3 the EMA is gathered from all ranks."""
         ema_model = ema_weights_copy(model, ema, build=self.is_main)
         if self.is_main:
-            s, path = self.cfg.sample, Path(self.cfg.train.output_dir) / "samples" / f"step_{step:07d}.png"
+            s, path = self.cfg.sample, RunFolder(self.cfg.train.output_dir).sample_grid(step)
             save_grid(ema_model, self.pipeline_parts(), path, s.prompts, self.cfg.data.resolution, s.guidance_scale,
                       s.steps, s.seed, self.cfg.model.max_text_tokens)
             if self.accelerator is not None:

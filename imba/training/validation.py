@@ -28,6 +28,7 @@ from data.urls import expand_urls
 from imba.training.build import precomputed_manifest
 from imba.training.config import Config, ConfigError
 from imba.training.ema import ema_weights_copy
+from imba.training.run_folder import RunFolder
 from models.dit import predict
 
 QUARTERS = 4
@@ -41,7 +42,7 @@ def validation_shards(cfg: Config, accelerator, out: Path) -> list[str] | None:
         return None
     if cfg.data.val_shards:
         return expand_urls(cfg.data.val_shards)
-    folder = out / "synthetic_val"
+    folder = RunFolder(out).synthetic_val
     write = dict(num_samples=cfg.data.val_samples, resolution=cfg.data.resolution,
                  seed=derive_seed("validation", cfg.train.seed) % 2**31)
     if accelerator.is_main_process:
