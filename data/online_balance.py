@@ -197,8 +197,7 @@ class OnlineBalance:
         return {"rule": RULE, "running": {k: v.copy() for k, v in self.running.items()},
                 "window": {k: v.copy() for k, v in self.window.items()},
                 "weights": self.weights.copy(), "refreshes": self.refreshes, "entries": len(self.table.entries),
-                "entries_digest": _entries_digest(self.table.entries), "bins": self.bins, "groups": self.groups,
-                "max_factor": self.max_factor}
+                "entries_digest": _entries_digest(self.table.entries), "bins": self.bins, "groups": self.groups}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("rule") != RULE:

@@ -65,12 +65,34 @@ def test_the_prior_is_the_temperature_factor_and_the_groups_are_bands_of_rarity(
                        balance_factors(table, BalanceSettings("temperature", 0.5), natural), rtol=1e-5)
 
 
+def test_the_defaults_are_the_ones_stated_before_the_benchmark_ran(table):
+    from data.settings import DataConfig
+
+    balance = OnlineBalance(table)
+    assert (balance.alpha, balance.groups, balance.max_factor, balance.rate, balance.bins) == (0.5, 4, 4.0, 4.0, 10)
+    d = DataConfig()
+    assert (d.balance_alpha, d.balance_groups, d.balance_max, d.balance_rate) == (0.5, 4, 4.0, 4.0)
+    assert (SIGNIFICANCE, MIN_ROWS) == (4.0, 16)
+
+
+def test_the_groups_follow_the_counts_at_the_natural_rate(table):
+    # a source that draws the rare caption 20 times as often makes it about as frequent as the head: one band
+    natural = np.r_[np.full(5, 20.0), np.ones(95)]
+    balance = OnlineBalance(table, natural=natural)
+    assert balance.rarest[:5].tolist() == [100.0] * 5 and balance.rarest[50] == 90.0
+    assert balance.group_of[0] == balance.group_of[50] and OnlineBalance(table).group_of[0] != 3
+
+
 def test_rarity_groups_split_log_counts_into_equal_bands():
     assert rarity_groups(np.array([1, 20, 200, 2000, 10000]), 4).tolist() == [0, 1, 2, 3, 3]  # decades
     assert rarity_groups(np.array([1, 9, 11, 1000]), 3).tolist() == [0, 0, 1, 2]  # edges at 10 and 100
     assert rarity_groups(np.array([7, 7, 7]), 4).tolist() == [0, 0, 0]  # one band when every count is the same
     assert rarity_groups(np.array([5, 50]), 1).tolist() == [0, 0]
     assert rarity_groups(np.zeros(0), 4).size == 0
+    # counts below 1 (a source drawn less than once per epoch): bands of their own logs
+    groups = rarity_groups(np.array([0.01, 0.1, 1.0, 10.0]), 3)
+    assert groups.tolist() == [0, 1, 2, 2] and groups.dtype == np.int64
+    assert rarity_groups(np.array([7, 7]), 4).dtype == np.int64  # indices into the multipliers
 
 
 @pytest.mark.parametrize("settings", [dict(max_factor=0.5), dict(rate=0.0), dict(rate=float("nan")), dict(bins=0),
@@ -124,6 +146,11 @@ def test_a_group_with_fewer_than_min_rows_is_not_moved(table):
     balance.refresh()
     ratio, _, evidence = balance.evidence()
     assert ratio[0] > 2 and evidence[0] == 0.0 and balance.weights[0] == FACTOR_ONE
+    one = primed(table)  # a single row: its ratio is read (and reported), its evidence not
+    rows_at(one, [0], np.array([3.0]))
+    rows_at(one, [5] * 3, np.ones(3))
+    one.refresh()
+    assert one.evidence()[0][0] == pytest.approx(3 / 1.5) and one.evidence()[2][0] == 0.0
     enough = primed(table)  # one row more: read
     rows_at(enough, [0] * MIN_ROWS, np.full(MIN_ROWS, 3.0))
     rows_at(enough, [5] * 64, np.ones(64))
@@ -208,8 +235,8 @@ def test_a_boosted_group_gives_its_draws_back_once_its_distance_comes_down(table
 
 def test_each_row_lands_in_the_bin_of_its_noise_level(table):
     balance = OnlineBalance(table, bins=4)
-    balance.observe([0, 1, 2, 3, 4, 5], [1.0] * 6, [0.0, 0.24, 0.25, 0.6, 0.99, 1.0])  # 1.0: the last bin
-    assert balance.window["bin_rows"].tolist() == [2, 1, 1, 2]
+    balance.observe([0, 1, 2, 3, 4, 5, 6], [1.0] * 7, [0.0, 0.24, 0.25, 0.6, 0.99, 1.0, -0.1])  # the ends clipped
+    assert balance.window["bin_rows"].tolist() == [3, 1, 1, 2]
 
 
 def test_training_reads_the_noise_level_in_tenths(table):
