@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .balance import BALANCE_METHODS
+from .balance import BALANCE_METHODS, BalanceSettings
 from .sources import SourceConfig, check_source_configs
 
 
@@ -102,6 +102,13 @@ class DataConfig:
         `PrecomputeSettings`: the image size, where the caption is, which images are skipped as too small."""
         return dict(resolution=self.resolution, caption_field=self.caption_field, min_size=self.min_size)
 
+    def balance_settings(self) -> BalanceSettings:
+        """The offline balance rule the draw plan applies (data.balance=imba's plan is the natural one: its
+        balance moves online)."""
+        if self.balance == "imba":
+            return BalanceSettings()
+        return BalanceSettings(self.balance, self.balance_alpha, self.balance_cap)
+
     def check(self) -> None:
         """A one-line ValueError for settings that cannot go together."""
         if self.precompute == "true" and self.bucketing:
@@ -116,9 +123,7 @@ class DataConfig:
         if self.shards and self.sources:
             raise ValueError("give data.shards or data.sources, not both (a single shard set is one source)")
         check_source_configs(self.sources)
-        if self.balance == "cap" and self.balance_cap < 1:
-            raise ValueError("data.balance=cap needs data.balance_cap=T >= 1: entries in more than T samples are "
-                             "drawn less (MetaCLIP used 20000 for 400M captions)")
+        self.balance_settings().check()
         if self.balance == "imba" and self.bucketing:
             raise ValueError("data.balance=imba does not draw aspect-ratio buckets yet: set data.bucketing=false, or "
                              "balance offline (data.balance=temperature or cap)")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from data.balance import BalanceSettings
 from data.concepts import CaptionBucketer, collect_stats, extractor_from_stats, write_stats
 from data.draw_plan import (DrawPlan, describe_plan, entry_table, load_entry_table, load_plan, plan_draws,
                              plan_fingerprint, plot_plan)
@@ -147,8 +146,7 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> t
     except ValueError as err:
         raise ConfigError(str(err)) from err
     extractor = _extractor(cfg)
-    # data.balance=imba starts from the natural stream: its weights come from the run
-    balance = BalanceSettings(*((d.balance, d.balance_alpha, d.balance_cap) if d.balance != "imba" else ()))
+    balance = d.balance_settings()  # data.balance=imba: the natural plan, which its balancer re-weights
     if accelerator.is_main_process:
         plan = plan_draws(index, mix, balance, folder, extractor=extractor, caption_field=d.caption_field,
                           progress=True, workers=_caption_workers(index))
