@@ -133,10 +133,11 @@ def precompute_sources(cfg: Config, accelerator: Accelerator, out: Path, sources
             for i, s in enumerate(sources)]
 
 
-def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> tuple[DrawPlan, ShardIndex]:
-    """The run's draw plan (data.sources shares, data.balance weights) and the index it is made for: computed by the
-    main process into <train.output_dir>/data/ (reused while its fingerprint holds), described and plotted there,
-    read by the others."""
+def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]
+              ) -> tuple[DrawPlan, ShardIndex, SourceMix]:
+    """The run's draw plan (data.sources shares, data.balance weights), the index and the mix of sources it is made
+    for: computed by the main process into <train.output_dir>/data/ (reused while its fingerprint holds), described
+    and plotted there, read by the others."""
     d, folder = cfg.data, RunFolder(cfg.train.output_dir).plan
     shards = all_shards(sources)
     with accelerator.main_process_first():
@@ -159,7 +160,7 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> t
         while (plan := load_plan(folder, fingerprint)) is None:
             time.sleep(PLAN_POLL_S)
     accelerator.wait_for_everyone()
-    return plan, index
+    return plan, index, mix
 
 
 def _extractor(cfg: Config):
@@ -179,7 +180,7 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
     d = cfg.data
     if d.balance != "imba":
         return None
-    plan, index = draw_plan(cfg, accelerator, sources)
+    plan, index, mix = draw_plan(cfg, accelerator, sources)
     folder, fingerprint = RunFolder(cfg.train.output_dir).plan, plan.report["fingerprint"]
     if accelerator.is_main_process:
         table = entry_table(index, folder, fingerprint, _extractor(cfg), d.caption_field,
@@ -188,7 +189,6 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
         while (table := load_entry_table(folder, fingerprint)) is None:
             time.sleep(PLAN_POLL_S)
     accelerator.wait_for_everyone()
-    mix = SourceMix(sources, index.nsamples, d.epoch_samples)
     lag = loader_lag(d.num_workers, d.loader_threads, cfg.train.grad_accum)
     accelerator.print(f"data: balanced online by the IMBA distance: the temperature prior (alpha {d.balance_alpha:g}) "
                       f"over {len(table.entries):,} concepts and combinations, {d.balance_groups} rarity groups "
@@ -218,7 +218,7 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], po
             plan = balancer.order
             sampler = StreamBatchSampler(balancer.order, d.batch_size, **where)
         elif d.bucketing:  # the bucket of each image from the sizes in the index; the plan's draws within each bucket
-            plan, index = draw_plan(cfg, accelerator, sources)
+            plan, index, _ = draw_plan(cfg, accelerator, sources)
             buckets = bucket_sizes(d.resolution, bucket_divisor)
             # the stream of bucket batches is cut in batches of data.batch_size: after a change of it (other bucket
             # batches anyway) a position inside one starts at the next
@@ -228,7 +228,7 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], po
                                             d.batch_size, seed=cfg.train.seed, **where)
             accelerator.print(f"data: aspect-ratio buckets, draws per epoch: {sampler.describe()}")
         else:
-            plan, index = draw_plan(cfg, accelerator, sources)
+            plan, _, _ = draw_plan(cfg, accelerator, sources)
             sampler = StreamBatchSampler(WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed),
                                          d.batch_size, **where)
         if step:
