@@ -102,6 +102,18 @@ class DataConfig:
         `PrecomputeSettings`: the image size, where the caption is, which images are skipped as too small."""
         return dict(resolution=self.resolution, caption_field=self.caption_field, min_size=self.min_size)
 
+    def describe_balance(self) -> str:
+        """How the draws are balanced, as the model card states it ("" for none). A rule without a line here is a
+        KeyError, never another rule's line."""
+        return {
+            "none": "",
+            "temperature": f"balanced by concepts (temperature, alpha {self.balance_alpha:g})",
+            "cap": f"balanced by concepts (cap {self.balance_cap})",
+            "imba": (f"balanced online by the IMBA distance (the temperature prior, alpha {self.balance_alpha:g}, "
+                     f"{self.balance_groups} rarity groups each moved within {self.balance_max:g}x of it, every "
+                     f"{self.balance_every} steps)"),
+        }[self.balance]
+
     def balance_settings(self) -> BalanceSettings:
         """The offline balance rule the draw plan applies (data.balance=imba's plan is the natural one: its
         balance moves online)."""

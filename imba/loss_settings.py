@@ -37,6 +37,16 @@ class LossConfig:
         """Keyword arguments of `TrainingLoss` (the run adds the patch size and how ranks share the loss's state)."""
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        """One line: the loss and its settings, as the model card states it. A kind without a line here is a
+        KeyError, never another kind's line."""
+        snr = f", min-SNR weighting γ = {self.min_snr_gamma:g}" if self.min_snr_gamma else ""
+        if self.kind == "plain":
+            return f"plain diffusion MSE with caption dropout {1 - self.lam:g}{snr}"
+        level = {"imba": "token level", "imba_sample": "sample level"}[self.kind]
+        return (f"IMBA ({level}): γ = {self.gamma:g}, λ = {self.lam:g}, distance {self.distance}, reference "
+                f"{self.reference}, normalisation {self.normalize}, estimator {self.estimator}{snr}")
+
     def check(self) -> None:
         """The loss's own checks (`LossSettingError`), as a one-line ValueError naming the config key."""
         try:

@@ -1,5 +1,6 @@
 """The export's model card: the Hub's own parser reads its header, and the body states how the model was trained."""
 
+import pytest
 from huggingface_hub import ModelCard
 from PIL import Image
 
@@ -40,3 +41,19 @@ def test_card_of_a_run_from_scratch_names_no_base_and_no_missing_grid(tmp_path):
         assert "loss-plain" in card.data.tags
     path = write_model_card(tmp_path, load_config([]), step=3, grid=tmp_path / "missing.png")
     assert "## Samples" not in path.read_text() and not (tmp_path / GRID_FILE).exists()
+
+
+def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly():
+    from data.settings import DataConfig
+    from imba.loss_settings import LossConfig
+
+    assert LossConfig(kind="imba_sample").describe().startswith("IMBA (sample level): γ = 0.8")
+    assert LossConfig(kind="imba").describe().startswith("IMBA (token level)")
+    assert LossConfig().describe() == "plain diffusion MSE with caption dropout 0.1"
+    assert DataConfig().describe_balance() == ""
+    assert DataConfig(balance="cap", balance_cap=7).describe_balance() == "balanced by concepts (cap 7)"
+    # a kind added to the choices but not to the describing line: an error, not another kind's words
+    with pytest.raises(KeyError):
+        LossConfig(kind="imba_new").describe()
+    with pytest.raises(KeyError):
+        DataConfig(balance="new_rule").describe_balance()

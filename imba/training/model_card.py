@@ -50,25 +50,8 @@ def _data_line(cfg: Config) -> str:
         text = f"`{d.shards}` (img2dataset-layout tar shards)"
     else:
         text = f"the project's synthetic shapes ({d.synthetic_samples} images)"
-    if d.balance == "temperature":
-        text += f", balanced by concepts (temperature, alpha {d.balance_alpha:g})"
-    elif d.balance == "cap":
-        text += f", balanced by concepts (cap {d.balance_cap})"
-    elif d.balance == "imba":
-        text += (f", balanced online by the IMBA distance (the temperature prior, alpha {d.balance_alpha:g}, "
-                 f"{d.balance_groups} rarity groups each moved within {d.balance_max:g}x of it, every "
-                 f"{d.balance_every} steps)")
-    return text
-
-
-def _loss_line(cfg: Config) -> str:
-    loss = cfg.loss
-    snr = f", min-SNR weighting γ = {loss.min_snr_gamma:g}" if loss.min_snr_gamma else ""
-    if loss.kind == "plain":
-        return f"plain diffusion MSE with caption dropout {1 - loss.lam:g}{snr}"
-    level = "token level" if loss.kind == "imba" else "sample level"
-    return (f"IMBA ({level}): γ = {loss.gamma:g}, λ = {loss.lam:g}, distance {loss.distance}, reference "
-            f"{loss.reference}, normalisation {loss.normalize}, estimator {loss.estimator}{snr}")
+    balance = d.describe_balance()
+    return f"{text}, {balance}" if balance else text
 
 
 def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: bool = False,
@@ -99,7 +82,7 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
         ("resolution", f"{cfg.data.resolution} px" + (" (aspect-ratio buckets)" if cfg.data.bucketing else "")),
         ("steps", str(step)),
         ("batch", batch),
-        ("loss", _loss_line(cfg)),
+        ("loss", cfg.loss.describe()),
         ("objective", OBJECTIVES.get(cfg.objective.kind, cfg.objective.kind)),
         ("optimiser", f"AdamW, lr {cfg.optim.lr:g}, {cfg.optim.warmup_steps} warm-up steps, weight decay "
                       f"{cfg.optim.weight_decay:g}; these weights are the EMA (decay {cfg.optim.ema_decay:g})"),
