@@ -25,7 +25,7 @@ same scenes (the judge's own uncertainty).
 
 Scenes: "fixed" (default) composes each seed's scenes once (every tile in two scenes, once per side) and a stream
 draws among them, as a sampler of a real data set can only draw among its images; "online" composes each scene at
-batch time from two drawn tiles (the first recordings' mode). Streams: long-tailed (uniform), pair-balanced (every
+batch time from two drawn tiles. Streams: long-tailed (uniform), pair-balanced (every
 seen pair equally often, the control a balancing method is measured against) and concept-balanced (colour and shape
 marginals uniform); balanced streams draw per object (a pair, then a slot showing it). The gap between
 `plain_balanced` and `plain` is what a balancing method can close; every other form is reported as the fraction of
@@ -123,10 +123,10 @@ VARIANTS = {
     "plain_hues": dict(kind="plain", hues=0.5),
     "plain_bursty": dict(kind="plain", bursty=0.5),
     "plain_jitter": dict(kind="plain", jitter=0.05),
-    # the shipped default exponent and full balancing, fixed before any result
+    # data.balance=temperature at the shipped default exponent, and at full balancing
     "caption_balanced": dict(kind="plain", stream="caption", alpha=0.5),
     "caption_balanced_a1": dict(kind="plain", stream="caption", alpha=1.0),
-    # data.online_balance.OnlineBalance with its defaults, stated before its runs: the temperature prior of
+    # data.balance=imba (data.online_balance.OnlineBalance) with its defaults: the temperature prior of
     # caption_balanced (alpha 0.5), four rarity groups, each moved by its IMBA distance beyond 4 standard errors
     "imba_grouped": dict(kind="plain", stream="imba_online", alpha=0.5),
 }
@@ -137,7 +137,7 @@ DEFAULT_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_t
 DEFAULT_SEEDS = [0, 1, 2, 3, 4]
 DEFAULT_WORLDS = ("concept_tail", "pair_tail")  # "captioned" differs from pair_tail only for caption-reading streams
 DEFAULT_STEPS = [1000, 1500]  # equal-step lengths; the plain-cost streams also run on to 1.3× the longest
-# samples per pair in the default: 12 instead of the first recordings' 16 keeps two worlds × 5 seeds in the time bound
+# samples per pair in the default: 12 fits two worlds × 5 seeds in the benchmark's time budget
 DEFAULT_PER_PAIR = 12
 # the quick run: the default's variants and the label-free stream that closes most of the gap (bench/README.md)
 QUICK_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient",
@@ -1234,7 +1234,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "each scene composed at batch time (the default with --levers)")
     parser.add_argument("--fixed-ranks", action="store_true",
                         help="keep the listed order of colours and shapes as their frequency ranks for every seed "
-                             "(the first recordings' world) instead of drawing it from the seed")
+                             "instead of drawing it from the seed")
     parser.add_argument("--seeds", nargs="+", type=int, default=None,
                         help=f"default {' '.join(map(str, DEFAULT_SEEDS))} (quick: 0; levers: 0 1 2)")
     parser.add_argument("--steps", nargs="+", type=int, default=None,
