@@ -86,7 +86,7 @@ def peak_mb() -> dict[str, float]:
 
 
 def stage_weights(captions: Path, workers: int) -> dict:
-    from data.balance import BalanceSettings, balance_factors, build_concept_table
+    from data.balance import TemperatureBalance, balance_factors, build_concept_table
     from data.concepts import default_extractor
     from data.weighted import expected_draws_to_units
 
@@ -95,7 +95,7 @@ def stage_weights(captions: Path, workers: int) -> dict:
     with open(captions, encoding="utf-8") as f:
         table = build_concept_table((line.rstrip("\n") for line in f), extractor, workers=workers)
     extracted = time.perf_counter()
-    factors = balance_factors(table, BalanceSettings("temperature", alpha=0.5))
+    factors = balance_factors(table, TemperatureBalance(alpha=0.5))
     weighed = time.perf_counter()
     units = expected_draws_to_units(factors, len(table))
     done = time.perf_counter()

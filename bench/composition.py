@@ -264,14 +264,14 @@ class WeightedScenes:
     which move with the distances `observe` feeds it at every `refresh` (`online`: its rate and max_factor)."""
 
     def __init__(self, stream: str, captions: list[str], alpha: float | None = None, **online):
-        from data.balance import BalanceSettings, balance_factors, build_concept_table
+        from data.balance import TemperatureBalance, balance_factors, build_concept_table
         from data.concepts import default_extractor
 
         self.stream = stream
         self.table = build_concept_table(captions, default_extractor())
         self.online = None
         if stream == "caption":
-            self.factors = torch.from_numpy(balance_factors(self.table, BalanceSettings("temperature", alpha)))
+            self.factors = torch.from_numpy(balance_factors(self.table, TemperatureBalance(alpha)))
         elif stream == "imba_online":
             from data.online_balance import OnlineBalance
 

@@ -38,8 +38,8 @@ for path in (str(REPO), str(REPO / "bench")):
 RUNS = {
     "natural": [],
     "imba": ["data.balance=imba"],
-    "temperature": ["data.balance=temperature", "data.balance_alpha=1"],
-    "temperature_a05": ["data.balance=temperature", "data.balance_alpha=0.5"],  # the shipped α
+    "temperature": ["data.balance=temperature", "data.balance.alpha=1"],
+    "temperature_a05": ["data.balance=temperature", "data.balance.alpha=0.5"],  # the shipped α
 }
 HEAD, TAIL = ("circle", "square", "triangle"), ("star", "cross", "ring")
 COLOURS = ("red", "blue")

@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from data.balance import BalanceSettings  # noqa: E402
+from data.balance import TemperatureBalance  # noqa: E402
 from data.draw_plan import plan_draws  # noqa: E402
 from data.index import load_or_build_index  # noqa: E402
 from data.indexed import make_indexed_loader  # noqa: E402
@@ -240,7 +240,7 @@ def weighted_stream(data: dict[str, Any], args) -> WeightedOrder:
     sources = [Source("first", paths[:half], share=0.3), Source("second", paths[half:], share=0.7)]
     index = load_or_build_index(paths)
     mix = SourceMix(sources, index.nsamples)
-    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0),
+    plan = plan_draws(index, mix, TemperatureBalance(alpha=1.0),
                       Path(args.cache_dir).expanduser() / f"plan-{_digest(*paths)}")
     print(f"weighted stream: {plan.report['sources'][0]['samples']} + {plan.report['sources'][1]['samples']} samples "
           f"at 30 / 70 %, largest repeat {plan.report['largest_repeat']['draws_per_epoch']:.2f}x per epoch", flush=True)

@@ -27,45 +27,19 @@ Scale. Extraction runs over chunks of captions in `workers` processes and keeps 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import multiprocessing as mp
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, ClassVar, Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["BALANCE_METHODS", "BalanceSettings", "ConceptTable", "caption_entries", "is_combination",
-           "build_concept_table", "entry_counts", "reduce_over_entries", "balance_factors"]
+__all__ = ["BalanceRule", "NoBalance", "TemperatureBalance", "CapBalance", "ConceptTable", "caption_entries",
+           "is_combination", "build_concept_table", "entry_counts", "reduce_over_entries", "balance_factors"]
 
-BALANCE_METHODS = ("none", "temperature", "cap")
 BIND_JOIN, PAIR_JOIN = ":", " + "  # attribute:object, object + object
 CHUNK = 20_000  # captions per extraction task
-
-
-@dataclass(frozen=True)
-class BalanceSettings:
-    """data.balance and its parameters (see the module doc)."""
-
-    method: str = "none"
-    alpha: float = 0.5  # temperature: factor = c_min^(-alpha)
-    cap: int = 0  # cap: the threshold t, in samples
-
-    def check(self) -> None:
-        """ValueError (one line) for settings that cannot be used."""
-        if self.method not in BALANCE_METHODS:
-            raise ValueError(f"data.balance must be one of {', '.join(BALANCE_METHODS)}, got {self.method!r}")
-        if self.method == "temperature" and not (np.isfinite(self.alpha) and self.alpha >= 0):
-            raise ValueError(f"data.balance_alpha must be >= 0 (0 = natural, 1 = fully balanced), got {self.alpha}")
-        if self.method == "cap" and self.cap < 1:
-            raise ValueError("data.balance=cap needs data.balance_cap=T >= 1: entries in more than T samples are "
-                             "drawn less (MetaCLIP used 20000 for 400M captions)")
-
-    def as_dict(self) -> dict:
-        if self.method == "temperature":
-            return {"method": self.method, "alpha": self.alpha}
-        if self.method == "cap":
-            return {"method": self.method, "cap": self.cap}
-        return {"method": self.method}
 
 
 def caption_entries(concepts: Sequence[str], kind: Callable[[str], str]) -> list[str]:
@@ -196,19 +170,99 @@ def reduce_over_entries(values: np.ndarray, table: ConceptTable, ufunc: np.ufunc
     return out
 
 
-def balance_factors(table: ConceptTable, settings: BalanceSettings, rate: np.ndarray | None = None) -> np.ndarray:
-    """Each sample's balance factor (relative; see the module doc), float64, > 0 for every sample."""
-    settings.check()
-    if settings.method == "none":
+@dataclass
+class BalanceRule:
+    """A `data.balance` rule: how each sample's balance factor is set from its captions' entries. A rule is one
+    registered kind (`data.settings.BALANCE_RULES`); its dataclass fields are its settings, written in a config as
+    `data.balance: {kind: KIND, field: value}`. RANGES bounds its numeric settings as a config section's do."""
+
+    KIND: ClassVar[str] = ""
+    RANGES: ClassVar[dict] = {}
+    ONLINE: ClassVar[bool] = False  # its factors move as the run goes (`plan_rule` is the rule its plan starts from)
+
+    def describe(self) -> str:
+        """The rule and its settings in one line, as the start-up log and the model card print it ("" for none)."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """A one-line ValueError for settings that cannot be used together."""
+
+    def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
+        """Each sample's balance factor (relative; see the module doc), float64, > 0 for every sample."""
+        raise NotImplementedError
+
+    def plan_rule(self) -> "BalanceRule":
+        """The rule the run's draw plan is made with (an online rule starts from the natural plan)."""
+        return self
+
+    def settings(self) -> dict:
+        """Its kind and settings as data: what a draw plan's fingerprint records, so no setting can be left out."""
+        return {"kind": self.KIND, **dataclasses.asdict(self)}
+
+
+@dataclass
+class NoBalance(BalanceRule):
+    """The natural stream: every sample drawn at its source's rate."""
+
+    KIND: ClassVar[str] = "none"
+
+    def describe(self) -> str:
+        return ""
+
+    def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
         return np.ones(len(table))
-    counts = entry_counts(table, rate)
-    head = float(counts.max()) if counts.size else 1.0
-    if settings.method == "temperature":
+
+
+@dataclass
+class TemperatureBalance(BalanceRule):
+    """factor = c_min^(-alpha), relative to the head (see the module doc)."""
+
+    KIND: ClassVar[str] = "temperature"
+    RANGES: ClassVar[dict] = {"alpha": ">= 0 (0 = natural, 1 = each rarest entry drawn about equally often)"}
+    alpha: float = 0.5
+
+    def describe(self) -> str:
+        return f"balanced by concepts (temperature, alpha {self.alpha:g})"
+
+    def check(self) -> None:
+        if not (np.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"data.balance.alpha must be >= 0 (0 = natural, 1 = fully balanced), got {self.alpha}")
+
+    def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
+        counts = entry_counts(table, rate)
+        head = float(counts.max()) if counts.size else 1.0
         rarest = reduce_over_entries(counts, table, np.minimum, empty=head)
-        return np.power(rarest / head, -settings.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
-    keep = np.minimum(1.0, settings.cap / np.maximum(counts, 1e-300))
-    log_miss = np.log1p(-np.minimum(keep, 1.0 - 1e-16))  # log(1 - p_e); p_e = 1 counts as certain
-    with np.errstate(divide="ignore"):  # a cap at or above the head: p = 1, log(1 - p) = -inf, the factor 1
-        log_miss_head = np.log1p(-min(1.0, settings.cap / head))
-    missed = reduce_over_entries(log_miss, table, np.add, empty=log_miss_head)
-    return -np.expm1(missed)
+        return np.power(rarest / head, -self.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
+
+
+@dataclass
+class CapBalance(BalanceRule):
+    """MetaCLIP's rule: factor = 1 - prod_e (1 - min(1, cap / c_e)) (see the module doc)."""
+
+    KIND: ClassVar[str] = "cap"
+    RANGES: ClassVar[dict] = {"cap": ">= 1 (MetaCLIP: 20000 for 400M captions)"}
+    cap: int = 0  # the threshold t, in samples: no default, a run sets it (0 = not set)
+
+    def describe(self) -> str:
+        return f"balanced by concepts (cap {self.cap})"
+
+    def check(self) -> None:
+        if self.cap < 1:
+            raise ValueError("data.balance kind cap needs data.balance.cap=T >= 1: entries in more than T samples "
+                             "are drawn less (MetaCLIP used 20000 for 400M captions)")
+
+    def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
+        counts = entry_counts(table, rate)
+        head = float(counts.max()) if counts.size else 1.0
+        keep = np.minimum(1.0, self.cap / np.maximum(counts, 1e-300))
+        log_miss = np.log1p(-np.minimum(keep, 1.0 - 1e-16))  # log(1 - p_e); p_e = 1 counts as certain
+        with np.errstate(divide="ignore"):  # a cap at or above the head: p = 1, log(1 - p) = -inf, the factor 1
+            log_miss_head = np.log1p(-min(1.0, self.cap / head))
+        missed = reduce_over_entries(log_miss, table, np.add, empty=log_miss_head)
+        return -np.expm1(missed)
+
+
+def balance_factors(table: ConceptTable, rule: BalanceRule, rate: np.ndarray | None = None) -> np.ndarray:
+    """Each sample's balance factor under `rule` (relative; see the module doc), float64, > 0 for every sample."""
+    rule.check()
+    return rule.factors(table, rate)

@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .balance import BalanceSettings, ConceptTable, balance_factors, build_concept_table, entry_counts, is_combination
+from .balance import (BalanceRule, ConceptTable, NoBalance, balance_factors, build_concept_table, entry_counts,
+                      is_combination)
 from .concepts.captions import iter_shard_captions
 from .files import atomic_write, read_json_object, write_json
 from .index import ShardIndex
@@ -87,7 +88,7 @@ def _extractor(needed: bool, extractor: Callable | None) -> Callable | None:
     return extractor
 
 
-def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceSettings,
+def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceRule,
                      extractor: Callable | None = None) -> str:
     """What the stored plan must have been made for to be reused: shards, sources, epoch, balance, vocabulary."""
     # The extractor counts even for a plan that reads no captions: data.balance=imba keys its entry table by it.
@@ -98,7 +99,7 @@ def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceSettings
         "shards": [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")] for s in index.shardlist],
         "sources": mix.describe(),
         "samples_per_epoch": mix.samples_per_epoch,
-        "balance": balance.as_dict(),
+        "balance": balance.settings(),
         "extractor": describe(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -116,7 +117,7 @@ def _concept_rows(table: ConceptTable, natural: np.ndarray, planned: np.ndarray)
 
 
 def plan_draws(
-    index: ShardIndex, mix: SourceMix, balance: BalanceSettings, folder: str | os.PathLike, *,
+    index: ShardIndex, mix: SourceMix, balance: BalanceRule, folder: str | os.PathLike, *,
     extractor: Callable | None = None, caption_field: str = "caption", workers: int = 1, progress: bool = False,
     captions: Callable[[], Iterator[str]] | None = None,
 ) -> DrawPlan:
@@ -127,14 +128,15 @@ def plan_draws(
     if mix.num_samples != len(index):
         raise ValueError(f"the sources hold {mix.num_samples} samples, the index {len(index)}")
     balance.check()
-    extractor = _extractor(balance.method != "none", extractor)
+    reads_captions = not isinstance(balance, NoBalance)
+    extractor = _extractor(reads_captions, extractor)
     fingerprint = plan_fingerprint(index, mix, balance, extractor)
     plan = load_plan(folder, fingerprint)
     if plan is not None:
         return plan
     natural = mix.rate
     table = None
-    if balance.method == "none":
+    if not reads_captions:
         factors = np.ones(mix.num_samples)
     else:
         stream = captions() if captions is not None else index_captions(index, caption_field)
@@ -154,7 +156,8 @@ def plan_draws(
         "num_samples": mix.num_samples,
         "samples_per_epoch": mix.samples_per_epoch,
         "sources": mix.describe(),
-        "balance": balance.as_dict(),
+        "balance": balance.settings(),
+        "balance_line": balance.describe(),
         "largest_repeat": {"draws_per_epoch": float(planned[largest]), "sample": largest,
                            "source": mix.sources[int(mix.source_of([largest])[0])].name},
         "distinct_share": float(np.minimum(planned, 1.0).sum() / mix.num_samples),
@@ -190,8 +193,7 @@ def describe_plan(plan: DrawPlan) -> list[str]:
     """What the plan draws, in a few lines for the log."""
     r = plan.report
     lines = [f"data: an epoch is {r['samples_per_epoch']:,} draws from {r['num_samples']:,} samples"
-             + (f", balanced by concepts ({', '.join(f'{k}={v}' for k, v in r['balance'].items())})"
-                if r["balance"]["method"] != "none" else "")]
+             + (f", {r['balance_line']}" if r.get("balance_line") else "")]
     for s in r["sources"]:
         lines.append(f"  {s['name']}: {s['samples']:,} samples, {s['share']:.1%} of the draws "
                      f"({s['draws']:,.0f} per epoch, each sample {s['repeat']:.3g}x)")
@@ -219,7 +221,7 @@ def plot_plan(plan: DrawPlan, folder: str | os.PathLike) -> Path | None:
 
     combos = plan.report.get("most_boosted_combinations", [])
     return plot_drawn_vs_natural(rows, png, combinations=combos,
-                                 title=f"Draws per epoch by concept: natural vs {plan.report['balance']['method']}")
+                                 title=f"Draws per epoch by concept: natural vs {plan.report['balance']['kind']}")
 
 
 

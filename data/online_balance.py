@@ -41,13 +41,15 @@ when the distance does not separate a group from the average row, so noise retur
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
-from .balance import BalanceSettings, ConceptTable, balance_factors, entry_counts, reduce_over_entries
+from .balance import (BalanceRule, ConceptTable, NoBalance, TemperatureBalance, balance_factors, entry_counts,
+                      reduce_over_entries)
 
-__all__ = ["FACTOR_ONE", "MIN_ROWS", "SIGNIFICANCE", "OnlineBalance", "rarity_groups"]
+__all__ = ["FACTOR_ONE", "MIN_ROWS", "SIGNIFICANCE", "ImbaBalance", "OnlineBalance", "rarity_groups"]
 
 FACTOR_ONE = 1 << 16  # fixed point of multipliers, factors and scores: FACTOR_ONE = 1.0
 DISTANCE_ONE = 1 << 20  # fixed point of the distances summed per level bin
@@ -84,7 +86,7 @@ class OnlineBalance:
             raise ValueError(f"bins and groups must be >= 1, got {bins} and {groups}")
         self.table, self.max_factor, self.bins, self.rate = table, float(max_factor), int(bins), float(rate)
         self.alpha, self.groups = float(alpha), int(groups)
-        prior = balance_factors(table, BalanceSettings("temperature", self.alpha), natural)
+        prior = balance_factors(table, TemperatureBalance(self.alpha), natural)
         self.prior = np.rint(prior * FACTOR_ONE).astype(np.int64)  # >= FACTOR_ONE: the head's factor is 1
         counts = entry_counts(table, natural)
         head = float(counts.max()) if counts.size else 1.0
@@ -210,7 +212,7 @@ class OnlineBalance:
                              f"the captions or their concept vocabulary changed")
         if state["groups"] != self.groups:
             raise ValueError(f"the online balance state was saved for {state['groups']} rarity groups, this run has "
-                             f"{self.groups} (data.balance_groups)")
+                             f"{self.groups} (data.balance.groups)")
         if state["entries_digest"] != _entries_digest(self.table.entries):
             raise ValueError("the online balance state was saved for other entries (other names, or numbered in "
                              "another order) than this run's: the captions or their concept vocabulary changed")
@@ -219,6 +221,42 @@ class OnlineBalance:
         self.refreshes = int(state["refreshes"])
         low, high = round(FACTOR_ONE / self.max_factor), round(FACTOR_ONE * self.max_factor)
         self.weights = np.clip(np.asarray(state["weights"], np.int64), low, high)  # a lowered max_factor holds
+
+
+@dataclass
+class ImbaBalance(BalanceRule):
+    """`data.balance: {kind: imba}`: the rule of this module. The draw plan is the natural one; the run's balancer
+    (`imba.training.balancing.OnlineBalancer`) draws from `build(...)`'s factors, refreshed every `every` steps."""
+
+    KIND: ClassVar[str] = "imba"
+    ONLINE: ClassVar[bool] = True
+    RANGES: ClassVar[dict] = {"alpha": ">= 0", "every": ">= 1", "fraction": "in (0, 1]", "groups": ">= 1",
+                              "max_factor": ">= 1 (1 = the prior)", "rate": "> 0"}
+    alpha: float = 0.5  # the temperature prior's: 0 = natural, 1 = every rarest entry drawn about equally often
+    every: int = 100  # steps between refreshes of the groups' multipliers
+    # with the plain loss: share of each batch's rows scored by a no-grad unconditional pass (the IMBA loss scores
+    # every row itself, at no extra cost)
+    fraction: float = 0.125
+    groups: int = 4  # bands of equal width in log(count of the rarest entry), each moved as one
+    max_factor: float = 4.0  # a group is drawn between 1/max_factor and max_factor times its prior
+    # a group whose distance ratio exceeds the average row's by e beyond noise targets (1 + e) ** rate its prior
+    rate: float = 4.0
+
+    def describe(self) -> str:
+        return (f"balanced online by the IMBA distance (the temperature prior, alpha {self.alpha:g}, "
+                f"{self.groups} rarity groups each moved within {self.max_factor:g}x of it, every {self.every} "
+                f"steps)")
+
+    def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
+        return balance_factors(table, TemperatureBalance(self.alpha), rate)  # the prior, where the run starts
+
+    def plan_rule(self) -> BalanceRule:
+        return NoBalance()
+
+    def build(self, table: ConceptTable, natural: np.ndarray | None = None) -> "OnlineBalance":
+        """The online balance of `table`'s samples, their entry counts taken at the `natural` draw rates."""
+        return OnlineBalance(table, alpha=self.alpha, groups=self.groups, max_factor=self.max_factor, rate=self.rate,
+                             natural=natural)
 
 
 def _entries_digest(entries: Sequence[str]) -> str:

@@ -7,8 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .balance import BALANCE_METHODS, BalanceSettings
+from .balance import BalanceRule, CapBalance, NoBalance, TemperatureBalance
+from .online_balance import ImbaBalance
 from .sources import SourceConfig, check_source_configs
+
+# data.balance's kinds: a rule is its settings' dataclass (data/balance.py's BalanceRule), registered here by its KIND
+BALANCE_RULES: dict[str, type[BalanceRule]] = {rule.KIND: rule for rule in (NoBalance, TemperatureBalance, CapBalance,
+                                                                            ImbaBalance)}
 
 
 @dataclass
@@ -46,30 +51,19 @@ class DataConfig:
     # resume on any process count)
     sources: list[SourceConfig] = field(default_factory=list)
     epoch_samples: int = 0  # draws per epoch with data.sources or data.balance; 0 = the samples of the sources
-    # sampling weights from the captions' concepts (data/balance.py): none | temperature (weight = count of the
-    # sample's rarest concept or combination ^ -balance_alpha) | cap (MetaCLIP: entries above balance_cap drawn less)
-    # | imba (online: the temperature prior, each rarity group's draws moved by the model's IMBA distance where it
-    # separates the group from the average row beyond noise, data/online_balance.py)
-    balance: str = "none"
-    # temperature, and imba's prior: 0 = natural, 1 = every rarest entry drawn about equally often
-    balance_alpha: float = 0.5
-    balance_cap: int = 0  # cap: the threshold count t (MetaCLIP: 20000 for 400M captions)
-    balance_every: int = 100  # imba: steps between refreshes of the groups' multipliers
-    # imba with the plain loss: share of each batch's rows scored by a no-grad unconditional pass (the IMBA loss
-    # scores every row itself, at no extra cost)
-    balance_fraction: float = 0.125
-    balance_groups: int = 4  # imba: bands of equal width in log(count of the rarest entry), each moved as one
-    balance_max: float = 4.0  # imba: a group is drawn between 1/balance_max and balance_max times its prior
-    # imba: a group whose distance ratio exceeds the average row's by e beyond noise targets (1 + e) ** balance_rate
-    # times its prior
-    balance_rate: float = 4.0
+    # sampling weights from the captions' concepts, one rule of BALANCE_RULES with its settings: {kind: none} |
+    # {kind: temperature, alpha} (weight = count of the sample's rarest concept or combination ^ -alpha) | {kind: cap,
+    # cap} (MetaCLIP: entries above cap drawn less) | {kind: imba, ...} (online: the temperature prior, each rarity
+    # group's draws moved by the model's IMBA distance where it separates the group from the average row beyond
+    # noise, data/online_balance.py). `data.balance=temperature` sets the kind alone
+    balance: BalanceRule = field(default_factory=NoBalance)
     # true: each rank writes the sample indices of every batch it trains on to <train.output_dir>/draws/rank_R.jsonl
     # ({"step": s, "indices": [...]} a micro-batch, in order; a resume keeps the rows up to its checkpoint): what
     # the model was trained on, to audit a mix, a balance or a resume. Indexed reading only (samples have an index)
     record_draws: bool = False
 
-    CHOICES: ClassVar[dict] = {"mode": ("auto", "indexed", "streaming"), "precompute": ("auto", "true", "false"),
-                               "balance": (*BALANCE_METHODS, "imba")}
+    CHOICES: ClassVar[dict] = {"mode": ("auto", "indexed", "streaming"), "precompute": ("auto", "true", "false")}
+    KINDS: ClassVar[dict] = {"balance": BALANCE_RULES}  # settings whose `kind` picks their dataclass
     RANGES: ClassVar[dict] = {
         "resolution": ">= 1",
         "batch_size": ">= 1",
@@ -80,13 +74,6 @@ class DataConfig:
         "synthetic_samples": ">= 1",
         "val_samples": ">= 1",
         "epoch_samples": ">= 0 (0 = the samples of the sources)",
-        "balance_alpha": ">= 0",
-        "balance_cap": ">= 0 (0 = not set)",
-        "balance_every": ">= 1",
-        "balance_groups": ">= 1",
-        "balance_fraction": "in (0, 1]",
-        "balance_max": ">= 1 (1 = the prior)",
-        "balance_rate": "> 0",
     }
 
     def synthetic(self) -> bool:
@@ -95,31 +82,12 @@ class DataConfig:
 
     def weighted(self) -> bool:
         """Whether the run reads the weighted stream (data.sources or data.balance) rather than the plain order."""
-        return bool(self.sources) or self.balance != "none"
+        return bool(self.sources) or not isinstance(self.balance, NoBalance)
 
     def decoding(self) -> dict:
         """What turns a shard's record into a training sample, as keywords of `data.loaders.build_loader` and
         `PrecomputeSettings`: the image size, where the caption is, which images are skipped as too small."""
         return dict(resolution=self.resolution, caption_field=self.caption_field, min_size=self.min_size)
-
-    def describe_balance(self) -> str:
-        """How the draws are balanced, as the model card states it ("" for none). A rule without a line here is a
-        KeyError, never another rule's line."""
-        return {
-            "none": "",
-            "temperature": f"balanced by concepts (temperature, alpha {self.balance_alpha:g})",
-            "cap": f"balanced by concepts (cap {self.balance_cap})",
-            "imba": (f"balanced online by the IMBA distance (the temperature prior, alpha {self.balance_alpha:g}, "
-                     f"{self.balance_groups} rarity groups each moved within {self.balance_max:g}x of it, every "
-                     f"{self.balance_every} steps)"),
-        }[self.balance]
-
-    def balance_settings(self) -> BalanceSettings:
-        """The offline balance rule the draw plan applies (data.balance=imba's plan is the natural one: its
-        balance moves online)."""
-        if self.balance == "imba":
-            return BalanceSettings()
-        return BalanceSettings(self.balance, self.balance_alpha, self.balance_cap)
 
     def check(self) -> None:
         """A one-line ValueError for settings that cannot go together."""
@@ -135,10 +103,10 @@ class DataConfig:
         if self.shards and self.sources:
             raise ValueError("give data.shards or data.sources, not both (a single shard set is one source)")
         check_source_configs(self.sources)
-        self.balance_settings().check()
-        if self.balance == "imba" and self.bucketing:
-            raise ValueError("data.balance=imba does not draw aspect-ratio buckets yet: set data.bucketing=false, or "
-                             "balance offline (data.balance=temperature or cap)")
+        if self.balance.ONLINE and self.bucketing:
+            raise ValueError(f"data.balance kind {self.balance.KIND} balances online and does not draw aspect-ratio "
+                             "buckets yet: set data.bucketing=false, or balance offline (data.balance=temperature "
+                             "or cap)")
         if self.weighted() and self.mode == "streaming":
             raise ValueError("data.sources and data.balance need indexed reading (local shards): the streaming "
                              "reader cannot draw by weight and resume exactly; set data.mode=auto or indexed")

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from data import concepts as C
-from data.balance import BalanceSettings, build_concept_table, entry_counts
+from data.balance import NoBalance, TemperatureBalance, build_concept_table, entry_counts
 from data.draw_plan import entry_table, index_captions, load_entry_table, plan_fingerprint
 from data.index import load_or_build_index, parse_sample
 from data.sources import SourceConfig, SourceMix, resolve_sources
@@ -150,12 +150,12 @@ def test_the_binding_rule_is_part_of_the_plan_fingerprint_and_the_entry_table_ke
     mix = SourceMix(resolve_sources([SourceConfig(shard)]), index.nsamples, 0)
     old, new = FirstMentionExtractor(), C.VocabExtractor()
     assert "red:square" not in build_concept_table(captions, old).sample_entries(0)  # the rules differ
-    for balance in (BalanceSettings(), BalanceSettings("temperature", alpha=0.5)):
+    for balance in (NoBalance(), TemperatureBalance(0.5)):
         assert plan_fingerprint(index, mix, balance, new) == plan_fingerprint(index, mix, balance, C.VocabExtractor())
         assert plan_fingerprint(index, mix, balance, old) != plan_fingerprint(index, mix, balance, new)
 
     # data.balance=imba keys its entry table by the natural plan's fingerprint, made with the default extractor
-    natural = BalanceSettings()
+    natural = NoBalance()
     fresh = plan_fingerprint(index, mix, natural)
     with monkeypatch.context() as m:
         m.setattr(C.VocabExtractor, "rule", FirstMentionExtractor.rule)

@@ -71,17 +71,27 @@ def test_train_py_help_lists_every_setting_with_its_default_and_rule(flag):
     proc = subprocess.run([sys.executable, "train.py", "loss.gama=0.5", flag], cwd=REPO, capture_output=True,
                           text=True, timeout=120)  # --help wins over a mistake beside it
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if " default " in line}
+    listed = [line for line in proc.stdout.splitlines() if " default " in line]
+    # a kind setting's settings are listed once for each kind that reads them, with the kind
+    lines = {line.split()[0] + (line.split("(kind ")[1].split(")")[0] if "(kind " in line else ""): line
+             for line in listed}
+    assert len(lines) == len(listed)
     defaults = Config()
-    keys = [f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
-            for f in dataclasses.fields(getattr(defaults, section.name))]
+    keys = []
+    for section in dataclasses.fields(Config):
+        kinds = getattr(getattr(defaults, section.name), "KINDS", {})
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            keys.append(f"{section.name}.{f.name}")
+            keys += [f"{section.name}.{f.name}.{g.name}{kind}" for kind, rule in kinds.get(f.name, {}).items()
+                     for g in dataclasses.fields(rule)]
     assert sorted(lines) == sorted(keys)
     assert proc.stdout.startswith("usage: python train.py [--config FILE]")
     assert lines["model.text_encoder"].split()[1:] == ["str", "default", "auto"]
     assert lines["model.max_text_tokens"].endswith("default 0, must be >= 0 (0 = the text encoder's own)")
     assert lines["data.batch_size"].endswith("int        default 32, must be >= 1")
     assert lines["data.balance"].endswith("default none, one of none, temperature, cap, imba")
-    assert lines["data.balance_fraction"].endswith("default 0.125, must be in (0, 1]")
+    assert lines["data.balance.fractionimba"].endswith("default 0.125 (kind imba), must be in (0, 1]")
+    assert lines["data.balance.alphatemperature"].split()[1:5] == ["float", "default", "0.5", "(kind"]
     assert lines["optim.grad_clip"].endswith("default 1.0, must be >= 0 (0 = no clipping)")
     assert lines["train.mixed_precision"].split()[1:4] == ["str", "default", "'no',"]
     assert lines["data.shards"].split()[1:] == ["str", "|", "None", "default", "null"]

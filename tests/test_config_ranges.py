@@ -2,17 +2,33 @@
 bound and the nearest value beyond a closed one are refused with the key, the range and its note in one line."""
 
 import math
+import typing
 
 import pytest
 
-from imba.training.config import RANGES, ConfigError, _Range, load_config
+from imba.training.config import KIND_RANGES, RANGES, ConfigError, _Range, load_config
+
+
+def _ranges():
+    """(key, the overrides that choose the kind whose setting it is, its range, its type) for every range check."""
+    defaults = load_config([])
+    for key, allowed in RANGES.items():
+        yield key, [], allowed, type(_value(defaults, key))
+    for key, by_kind in KIND_RANGES.items():
+        section, name, setting = key.split(".")
+        for kind, allowed in by_kind.items():
+            rule = type(getattr(defaults, section)).KINDS[name][kind]
+            yield key, [f"{section}.{name}={kind}"], allowed, typing.get_type_hints(rule)[setting]
+
+
+def _value(cfg, key: str):
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def _cases():
-    defaults = load_config([])
-    for key, allowed in RANGES.items():
-        section, name = key.split(".")
-        kind = type(getattr(getattr(defaults, section), name))
+    for key, base, allowed, kind in _ranges():
         for bound, is_open, outward in ((allowed.low, allowed.low_open, -1), (allowed.high, allowed.high_open, 1)):
             if bound is None:
                 continue
@@ -20,21 +36,20 @@ def _cases():
                 beyond = int(bound) + outward
             else:
                 beyond = math.nextafter(float(bound), outward * math.inf)
-            yield pytest.param(key, kind(bound), not is_open, id=f"{key}={bound}")
-            yield pytest.param(key, beyond, False, id=f"{key}={beyond!r}")
+            yield pytest.param(key, base, allowed, kind(bound), not is_open, id=f"{base}{key}={bound}")
+            yield pytest.param(key, base, allowed, beyond, False, id=f"{base}{key}={beyond!r}")
 
 
-@pytest.mark.parametrize("key,value,accepted", list(_cases()))
-def test_each_bound_is_accepted_when_closed_and_refused_beyond(key, value, accepted):
+@pytest.mark.parametrize("key,base,allowed,value,accepted", list(_cases()))
+def test_each_bound_is_accepted_when_closed_and_refused_beyond(key, base, allowed, value, accepted):
     override = f"{key}={value!r}" if isinstance(value, float) else f"{key}={value}"
     if accepted:
-        section, name = key.split(".")
         resolved = {("model.max_text_tokens", 0): 16}.get((key, value), value)  # 0: tiny-words' own length
-        assert getattr(getattr(load_config([override]), section), name) == resolved
+        assert _value(load_config([*base, override]), key) == resolved
     else:
         with pytest.raises(ConfigError, match=f"config key '{key}' must be") as err:
-            load_config([override])
-        assert str(RANGES[key]) in str(err.value) and "\n" not in str(err.value)
+            load_config([*base, override])
+        assert str(allowed) in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_bounds_a_reader_tries_first():

@@ -43,17 +43,22 @@ def test_card_of_a_run_from_scratch_names_no_base_and_no_missing_grid(tmp_path):
     assert "## Samples" not in path.read_text() and not (tmp_path / GRID_FILE).exists()
 
 
-def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly():
+def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly(tmp_path):
+    from data.balance import BalanceRule
     from data.settings import DataConfig
     from imba.loss_settings import LossConfig
 
     assert LossConfig(kind="imba_sample").describe().startswith("IMBA (sample level): γ = 0.8")
     assert LossConfig(kind="imba").describe().startswith("IMBA (token level)")
     assert LossConfig().describe() == "plain diffusion MSE with caption dropout 0.1"
-    assert DataConfig().describe_balance() == ""
-    assert DataConfig(balance="cap", balance_cap=7).describe_balance() == "balanced by concepts (cap 7)"
+    assert DataConfig().balance.describe() == ""
+    assert load_config(["data.balance=cap", "data.balance.cap=7"]).data.balance.describe() == \
+        "balanced by concepts (cap 7)"
+    assert write_model_card(tmp_path, load_config(["data.balance=imba", "data.balance.every=7"]), step=3).read_text() \
+        .count("balanced online by the IMBA distance (the temperature prior, alpha 0.5, 4 rarity groups each moved "
+               "within 4x of it, every 7 steps)") == 1
     # a kind added to the choices but not to the describing line: an error, not another kind's words
     with pytest.raises(KeyError):
         LossConfig(kind="imba_new").describe()
-    with pytest.raises(KeyError):
-        DataConfig(balance="new_rule").describe_balance()
+    with pytest.raises(NotImplementedError):  # a rule registered without its line
+        type("NewRule", (BalanceRule,), {"KIND": "new_rule"})().describe()

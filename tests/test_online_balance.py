@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.balance import BalanceSettings, balance_factors, build_concept_table
+from data.balance import NoBalance, TemperatureBalance, balance_factors, build_concept_table
 from data.concepts import default_extractor
-from data.online_balance import FACTOR_ONE, MIN_ROWS, SIGNIFICANCE, OnlineBalance, rarity_groups
+from data.online_balance import FACTOR_ONE, MIN_ROWS, SIGNIFICANCE, ImbaBalance, OnlineBalance, rarity_groups
 from data.weighted import UNIT, SegmentedOrder, WeightedOrder, expected_draws_to_units, reweighted_units
 from imba.training.balancing import OnlineBalancer, loader_lag
 
@@ -51,7 +51,7 @@ def rows_at(balance, samples, n):
 
 def test_the_prior_is_the_temperature_factor_and_the_groups_are_bands_of_rarity(table):
     balance = OnlineBalance(table, alpha=0.5)
-    prior = balance_factors(table, BalanceSettings("temperature", 0.5))
+    prior = balance_factors(table, TemperatureBalance(0.5))
     assert np.array_equal(balance.sample_factors(), np.rint(prior * FACTOR_ONE).astype(np.int64))
     assert balance.sample_factors()[0] == round(FACTOR_ONE * (5 / 95) ** -0.5)  # the rare caption's prior
     assert balance.sample_factors()[99] == FACTOR_ONE  # no entries: the head's factor
@@ -62,7 +62,7 @@ def test_the_prior_is_the_temperature_factor_and_the_groups_are_bands_of_rarity(
     # a natural rate counts the entries at it (a source drawn twice counts twice), as the offline prior does
     natural = np.r_[np.full(5, 2.0), np.ones(95)]
     assert np.allclose(OnlineBalance(table, natural=natural).prior / FACTOR_ONE,
-                       balance_factors(table, BalanceSettings("temperature", 0.5), natural), rtol=1e-5)
+                       balance_factors(table, TemperatureBalance(0.5), natural), rtol=1e-5)
 
 
 def test_the_defaults_are_the_ones_stated_before_the_benchmark_ran(table):
@@ -70,8 +70,14 @@ def test_the_defaults_are_the_ones_stated_before_the_benchmark_ran(table):
 
     balance = OnlineBalance(table)
     assert (balance.alpha, balance.groups, balance.max_factor, balance.rate, balance.bins) == (0.5, 4, 4.0, 4.0, 10)
-    d = DataConfig()
-    assert (d.balance_alpha, d.balance_groups, d.balance_max, d.balance_rate) == (0.5, 4, 4.0, 4.0)
+    rule = ImbaBalance()
+    assert (rule.alpha, rule.groups, rule.max_factor, rule.rate, rule.every, rule.fraction) == (0.5, 4, 4.0, 4.0, 100,
+                                                                                               0.125)
+    built = rule.build(table)
+    assert (built.alpha, built.groups, built.max_factor, built.rate) == (0.5, 4, 4.0, 4.0)
+    odd = ImbaBalance(alpha=0.25, groups=3, max_factor=2.0, rate=1.5).build(table)  # each setting reaches the rule
+    assert (odd.alpha, odd.groups, odd.max_factor, odd.rate) == (0.25, 3, 2.0, 1.5)
+    assert isinstance(DataConfig().balance, NoBalance)
     assert (SIGNIFICANCE, MIN_ROWS) == (4.0, 16)
 
 

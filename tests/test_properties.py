@@ -32,7 +32,8 @@ from data.index import load_or_build_index
 from data.indexed import make_indexed_loader
 from data.sources import SourceConfig
 from data.streaming import make_image_text_loader
-from imba.training.config import CHOICES, RANGES, Config, ConfigError, load_config
+from data.settings import BALANCE_RULES
+from imba.training.config import CHOICES, KIND_RANGES, RANGES, Config, ConfigError, load_config
 from shard_helpers import encode, write_tar
 
 CONFIG_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
@@ -45,17 +46,23 @@ READER_SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, da
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _fields() -> dict[str, typing.Any]:
-    """'section.key' -> type hint, for every key of the config."""
-    out = {}
+def _fields() -> tuple[dict[str, typing.Any], dict[str, str]]:
+    """('section.key' -> type hint, for every key of the config; a kind setting's 'section.key.setting' -> the
+    first kind that reads it)."""
+    out, kind_of = {}, {}
     for section in dataclasses.fields(Config):
         hints = typing.get_type_hints(section.default_factory)
         for f in dataclasses.fields(section.default_factory):
             out[f"{section.name}.{f.name}"] = hints[f.name]
-    return out
+            for kind, rule in getattr(section.default_factory, "KINDS", {}).get(f.name, {}).items():
+                for g in dataclasses.fields(rule):
+                    key = f"{section.name}.{f.name}.{g.name}"
+                    out.setdefault(key, typing.get_type_hints(rule)[g.name])
+                    kind_of.setdefault(key, kind)
+    return out, kind_of
 
 
-FIELDS = _fields()
+FIELDS, KIND_OF = _fields()
 BOOLS = {"true": True, "True": True, "TRUE": True, "yes": True, "on": True,
          "false": False, "False": False, "FALSE": False, "no": False, "off": False}
 # Names of folders, hub ids, revisions, captions: no spaces, quotes or comment signs, which YAML would read
@@ -100,7 +107,7 @@ def _float_spellings(x: float) -> list[str]:
 
 
 def _bounds(key: str) -> tuple[float, float, bool, bool]:
-    r = RANGES.get(key)
+    r = KIND_RANGES[key].get(KIND_OF[key]) if key in KIND_OF else RANGES.get(key)
     if r is None:
         return -1e6, 1e6, False, False
     high = 1e6 if r.high is None else r.high
@@ -114,7 +121,7 @@ def valid_override(draw) -> tuple[str, str, typing.Any]:
     hint = FIELDS[key]
     if key == "data.balance":  # cap is valid only with its threshold, another key
         value = draw(st.sampled_from([c for c in CHOICES[key] if c != "cap"]))
-        return key, value, value
+        return key, value, BALANCE_RULES[value]()
     if key in CHOICES:
         value = draw(st.sampled_from(CHOICES[key]))
         return key, value, value
@@ -171,9 +178,13 @@ def test_valid_values_are_applied_exactly(override):
     key, text, value = override
     # settings valid only beside another: LoRA adapts trained weights, min-SNR weights ε-prediction
     needs = {"model.lora_rank": ["model.pretrained=some/export"], "loss.min_snr_gamma": ["objective.kind=ddpm"]}
+    needs |= {key: [f"{key.rsplit('.', 1)[0]}={kind}"] for key, kind in KIND_OF.items()}  # a kind's own setting
     cfg = load_config([*needs.get(key, []), f"{key}={text}"])
-    section, name = key.split(".")
-    got = getattr(getattr(cfg, section), name)
+    got = cfg
+    for name in key.split("."):
+        got = getattr(got, name)
+    if key == "model.max_text_tokens" and value == 0:  # 0: the text encoder's own length (tiny-words: 16)
+        value = 16
     assert got == value and type(got) is type(value), (key, text)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from imba.training.checkpoints import CONFIG_FILE
+from data.settings import BALANCE_RULES
 from imba.training.config import Config, ConfigError, dump_config, flat_dict, load_config
 from imba.training.setting_changes import BREAKING, SAFE, check_resumed_settings, compare_settings
 from tests.test_checkpoints import TinyRun
@@ -20,7 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_setting_is_judged_and_every_pattern_names_a_setting():
-    keys = list(flat_dict(Config()))
+    kinds = [f"data.balance={kind}" for kind in BALANCE_RULES]  # each kind's own settings
+    keys = list(dict.fromkeys(k for kind in kinds for k in flat_dict(load_config([kind, "data.balance.cap=1"]
+                                                                                  if kind.endswith("cap") else [kind]))))
+    assert "data.balance.every" in keys and "data.balance.cap" in keys
     unjudged = [k for k in keys if not any(fnmatchcase(k, p) for p in (*SAFE, *BREAKING))]
     assert unjudged == []
     for pattern in (*SAFE, *BREAKING):
@@ -43,15 +47,17 @@ def test_safe_changes_are_allowed_and_named(change):
     "model.preset=tiny", "model.pipeline=sigma", "model.text_encoder=tiny", "model.max_text_tokens=32",
     "model.tokenizer_subfolder=tokenizer", "model.vae=tiny", "data.resolution=64", "loss.kind=imba",
     "loss.gamma=0.5", "objective.kind=ddpm", "train.seed=1", "data.shards=photos/", "data.balance=temperature",
-    "data.balance_alpha=0.3", "data.min_size=64", "data.shuffle_buffer=10", "data.caption_field=text",
+    "data.balance.alpha=0.3", "data.balance.every=5", "data.min_size=64", "data.shuffle_buffer=10", "data.caption_field=text",
     "data.synthetic_samples=100", "data.bucketing=true", "data.precompute=false", "data.epoch_samples=10",
     "train.mixed_precision=fp16",
 ])
 def test_changes_that_break_the_state_or_the_position_are_refused(change):
     key = change.split("=", 1)[0]
     prompts = "sample.prompts=[a red circle]"  # on your own data they would be left to the run (auto)
-    refused, allowed = compare_settings(load_config([prompts]), load_config([change, prompts]))
-    assert allowed == [] and key in [line.split()[0] for line in refused]
+    base = [prompts, "data.balance=imba"] if key.startswith("data.balance.") else [prompts]  # a rule's setting
+    refused, allowed = compare_settings(load_config(base), load_config([*base, change]))
+    # a kind setting's change of kind is named as its .kind
+    assert allowed == [] and {key, f"{key}.kind"} & {line.split()[0] for line in refused}
 
 
 def test_fp16_is_refused_both_ways_and_bf16_is_not():

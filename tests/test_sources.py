@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from accelerate import Accelerator
 
-from data.balance import BalanceSettings, balance_factors, build_concept_table, caption_entries, entry_counts
+from data.balance import (CapBalance, NoBalance, TemperatureBalance, balance_factors, build_concept_table,
+                          caption_entries, entry_counts)
 from data.concepts import default_extractor
 from data.concepts.vocab import VocabExtractor
+from data.settings import BALANCE_RULES
 from data.draw_plan import describe_plan, load_plan, plan_draws, plan_fingerprint, plot_plan
 from data.index import ShardIndex, load_or_build_index
 from data.sources import Source, SourceConfig, SourceMix, check_same_kind, resolve_sources
@@ -51,9 +53,9 @@ def test_temperature_reaches_a_rare_combination_of_common_concepts():
     # red and cross are each in half the captions; the red cross itself is in 2 of 200
     captions = (["a red circle"] * 98 + ["a blue cross"] * 98 + ["a red cross"] * 2 + ["a blue circle"] * 2)
     table = table_of(captions)
-    natural = balance_factors(table, BalanceSettings("temperature", alpha=0.0))
+    natural = balance_factors(table, TemperatureBalance(0.0))
     assert np.all(natural == 1)
-    w = balance_factors(table, BalanceSettings("temperature", alpha=1.0))
+    w = balance_factors(table, TemperatureBalance(1.0))
     # the factor of a sample is 1 / (count of its rarest entry), relative to the head: red:cross has count 2
     counts = dict(zip(table.entries, entry_counts(table)))
     assert counts["red:cross"] == 2 and counts["red"] == 100 and counts["cross"] == 100
@@ -66,13 +68,13 @@ def test_temperature_reaches_a_rare_combination_of_common_concepts():
 def test_cap_is_metaclip_balancing_and_a_caption_without_concepts_is_weighted_like_the_head():
     captions = ["a red circle"] * 90 + ["a cyan ring"] * 10 + ["", "nothing known here"]
     table = table_of(captions)
-    w = balance_factors(table, BalanceSettings("cap", cap=20))
+    w = balance_factors(table, CapBalance(20))
     counts = dict(zip(table.entries, entry_counts(table)))
     # 1 - prod(1 - min(1, t / c_e)) over red, circle, red:circle (90 each)
     assert w[0] == pytest.approx(1 - (1 - 20 / 90) ** 3)
     assert w[90] == pytest.approx(1.0) and counts["cyan"] == 10  # an entry under the cap keeps the sample whole
     assert w[100] == w[101] == pytest.approx(20 / max(counts.values()))  # like a sample of the head entry alone
-    t = balance_factors(table, BalanceSettings("temperature", alpha=0.7))
+    t = balance_factors(table, TemperatureBalance(0.7))
     assert t[100] == t[101] == pytest.approx(1.0)  # the head's factor: never boosted, never dropped
     assert np.all(t[:90] == 1.0) and np.all(t[90:100] > 1)
 
@@ -103,7 +105,7 @@ def test_no_caption_gives_an_empty_table_and_captions_without_entries_the_same_f
     assert entry_counts(empty).shape == (0,)
     blank = table_of(["", "nothing known here"])
     assert blank.ptr.tolist() == [0, 0, 0]
-    for settings in (BalanceSettings("temperature", alpha=1.0), BalanceSettings("cap", cap=3)):
+    for settings in (TemperatureBalance(1.0), CapBalance(3)):
         assert balance_factors(empty, settings).shape == (0,)
         factors = balance_factors(blank, settings)
         assert np.all(np.isfinite(factors)) and factors[0] == factors[1] > 0
@@ -114,13 +116,13 @@ def test_a_cap_above_every_count_keeps_every_sample_whole():
     table = table_of(["a red circle", "a red circle", "a red circle", "a cyan ring", ""])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no division warning for the certain p = 1
-        assert balance_factors(table, BalanceSettings("cap", cap=50)).tolist() == [1.0] * 5
+        assert balance_factors(table, CapBalance(50)).tolist() == [1.0] * 5
 
 
 def test_a_caption_of_one_concept_is_weighted_by_its_count_and_a_plain_function_extracts_objects():
     table = table_of(["a red circle"] * 8 + ["a dog"] * 2)
     assert table.sample_entries(8) == ["dog"]
-    w = balance_factors(table, BalanceSettings("temperature", alpha=1.0))
+    w = balance_factors(table, TemperatureBalance(1.0))
     assert w[8] == w[9] == pytest.approx(8 / 2)  # dog: 2 samples against the head's 8
     # an extractor without `kind` or `mentions` (a plain function): every concept is an object, so pairs and no
     # bindings
@@ -168,7 +170,7 @@ def test_the_plan_keeps_the_shares_balances_within_them_and_is_reused_while_its_
     index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7, name="big"),
                          SourceConfig(str(root / "small"), share=0.3, name="small")])
     captions = ["a red circle"] * 80 + ["a cyan ring"] * 10 + ["a red circle"] * 10 + ["a cyan ring"] * 20
-    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=lambda: iter(captions))
+    plan = plan_draws(index, mix, TemperatureBalance(1.0), tmp_path, captions=lambda: iter(captions))
     e = plan.expected
     assert e[:90].sum() == pytest.approx(84, abs=1e-5) and e[90:].sum() == pytest.approx(36, abs=1e-5)
     # By hand: the sources' rates are 84 / 90 and 36 / 30, so each of red, circle, red:circle counts
@@ -190,9 +192,9 @@ def test_the_plan_keeps_the_shares_balances_within_them_and_is_reused_while_its_
     def unread():
         raise AssertionError("the stored plan should have been reused")
 
-    again = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=unread)
+    again = plan_draws(index, mix, TemperatureBalance(1.0), tmp_path, captions=unread)
     assert np.array_equal(again.units, plan.units)
-    other = plan_draws(index, mix, BalanceSettings("temperature", alpha=0.5), tmp_path,
+    other = plan_draws(index, mix, TemperatureBalance(0.5), tmp_path,
                        captions=lambda: iter(captions))  # settings changed
     assert not np.array_equal(other.units, plan.units) and load_plan(tmp_path).report["balance"]["alpha"] == 0.5
 
@@ -213,30 +215,33 @@ def test_balance_counts_each_sample_at_its_sources_rate(tmp_path):
 
     # temperature, alpha = 1: factor = head / c_min = 30 / 25 for a red circle, 1 for a blue square; the tenfold
     # source's 50 draws go over 2 * 1.2 + 3 * 1 = 5.4 factor units, the other source's 5 over its 5 equal samples
-    temperature = plan(BalanceSettings("temperature", alpha=1.0), "temperature")
+    temperature = plan(TemperatureBalance(1.0), "temperature")
     assert temperature.expected == pytest.approx([50 * 1.2 / 5.4] * 2 + [50 / 5.4] * 3 + [1.0] * 5, abs=1e-5)
     natural = {row[0]: row[1:] for row in temperature.report["concepts"]}
     assert natural["circle"] == pytest.approx([25, 2 * 50 * 1.2 / 5.4 + 5], abs=1e-4)
     assert natural["square"] == pytest.approx([30, 3 * 50 / 5.4], abs=1e-4)
     # cap, t = 20: p_e = min(1, 20 / c_e) over each sample's three entries, factor = 1 - prod(1 - p_e)
     red, blue = 1 - (1 - 20 / 25) ** 3, 1 - (1 - 20 / 30) ** 3
-    cap = plan(BalanceSettings("cap", cap=20), "cap")
+    cap = plan(CapBalance(20), "cap")
     units = 2 * red + 3 * blue
     assert cap.expected == pytest.approx([50 * red / units] * 2 + [50 * blue / units] * 3 + [1.0] * 5, abs=1e-5)
 
 
-# what each data.balance field is read under: two settings that differ in that field alone and draw differently
+# what each data.balance setting is read under: two offline rules that differ in that setting alone and draw
+# differently (an online rule's plan is the natural one)
 BALANCE_CHANGES = {
-    "method": [(dict(method="none"), dict(method="temperature")),
-               (dict(method="temperature", cap=5), dict(method="cap", cap=5))],
-    "alpha": [(dict(method="temperature", alpha=0.5), dict(method="temperature", alpha=1.0))],
-    "cap": [(dict(method="cap", cap=5), dict(method="cap", cap=10))],
+    "kind": [(NoBalance(), TemperatureBalance()), (TemperatureBalance(5.0), CapBalance(5))],
+    "temperature alpha": [(TemperatureBalance(0.5), TemperatureBalance(1.0))],
+    "cap cap": [(CapBalance(5), CapBalance(10))],
 }
 
 
 def test_the_fingerprint_test_varies_every_balance_setting():
-    # a field added to BalanceSettings must be given its pair above, so that the next test sees whether it counts
-    assert set(BALANCE_CHANGES) == {f.name for f in dataclasses.fields(BalanceSettings)}
+    # a setting added to an offline rule must be given its pair above, so that the next test sees whether it counts
+    offline = {f"{kind} {f.name}" for kind, rule in BALANCE_RULES.items() if not rule.ONLINE
+               for f in dataclasses.fields(rule)}
+    assert set(BALANCE_CHANGES) == {"kind"} | offline
+    assert all(isinstance(rule().plan_rule(), NoBalance) for rule in BALANCE_RULES.values() if rule.ONLINE)
 
 
 class Described:
@@ -261,7 +266,7 @@ def test_every_setting_that_decides_the_plan_changes_its_fingerprint(two_sets, t
     shutil.copy(small[0], copy)
     shares = ({"share": 0.7}, {"share": 0.3})
 
-    def fingerprint(shards=str(root / "small"), weights=shares, epoch=0, balance=BalanceSettings("temperature"),
+    def fingerprint(shards=str(root / "small"), weights=shares, epoch=0, balance=TemperatureBalance(),
                     extractor=None, mtime_ns=None, padding=0):
         if padding:  # another size, same samples: zero blocks after the tar's end
             with open(copy, "ab") as f:
@@ -284,8 +289,8 @@ def test_every_setting_that_decides_the_plan_changes_its_fingerprint(two_sets, t
         "choose": [(dict(weights=({"choose": 50}, {"choose": 20}), epoch=120),
                     dict(weights=({"choose": 50}, {"choose": 30}), epoch=120))],
         "epoch_samples": [(dict(), dict(epoch=200))],
-        **{f"balance {field}": [(dict(balance=BalanceSettings(**a)), dict(balance=BalanceSettings(**b)))
-                                for a, b in pairs] for field, pairs in BALANCE_CHANGES.items()},
+        **{f"balance {field}": [(dict(balance=a), dict(balance=b)) for a, b in pairs]
+           for field, pairs in BALANCE_CHANGES.items()},
     }
     described = default_extractor().describe()
     for key, value in described.items():
@@ -306,7 +311,7 @@ def test_every_setting_that_decides_the_plan_changes_its_fingerprint(two_sets, t
 def test_drawn_shares_match_the_plan_within_the_bound_of_the_sample_count(two_sets, tmp_path):
     root, big, small = two_sets
     index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7), SourceConfig(str(root / "small"), share=0.3)])
-    plan = plan_draws(index, mix, BalanceSettings("cap", cap=5), tmp_path)
+    plan = plan_draws(index, mix, CapBalance(5), tmp_path)
     order = WeightedOrder(plan.units, plan.samples_per_epoch, seed=0)
     draws = order.samples(np.arange(50 * 120))  # 50 epochs
     from_small = np.count_nonzero(draws >= 90)
@@ -342,7 +347,7 @@ def loader_keys(cfg, sources, step, saved_world, rank, world, batches):
 
 def test_the_run_loader_draws_the_plan_and_continues_on_another_process_count(two_sets, tmp_path):
     root, big, small = two_sets
-    cfg = load_config([*RUN, f"train.output_dir={tmp_path}", "data.balance=temperature", "data.balance_alpha=1",
+    cfg = load_config([*RUN, f"train.output_dir={tmp_path}", "data.balance=temperature", "data.balance.alpha=1",
                        f"data.sources=[{{shards: {root / 'big'}, share: 0.7}}, {{shards: {root / 'small'}, "
                        f"share: 0.3}}]"])
     sources = training_sources(cfg, Accelerator(cpu=True), tmp_path)
@@ -389,9 +394,16 @@ def index_key(index, i):
     (["data.sources=[{shards: a, weight: 2}]"], "unknown config key 'data.sources[0].weight'"),
     (["data.sources=[a/*.tar]"], "expects a mapping with keys shards, name, share, repeat, choose"),
     (["data.shards=a", "data.sources=[{shards: b}]"], "give data.shards or data.sources, not both"),
-    (["data.balance=cap"], "data.balance=cap needs data.balance_cap=T >= 1"),
-    (["data.balance=inverse"], "must be one of none, temperature, cap"),
-    (["data.balance=temperature", "data.balance_alpha=-1"], "'data.balance_alpha' must be >= 0"),
+    (["data.balance=cap"], "'data.balance.cap' must be >= 1 (MetaCLIP: 20000 for 400M captions), got 0"),
+    (["data.balance=inverse"], "'data.balance' must be one of none, temperature, cap, imba (its kind)"),
+    (["data.balance=temperature", "data.balance.alpha=-1"], "'data.balance.alpha' must be >= 0"),
+    (["data.balance.alpha=-1", "data.balance=temperature"], "'data.balance.alpha' must be >= 0"),
+    (["data.balance=temperature", "data.balance_alpha=-1"], "'data.balance.alpha' must be >= 0"),  # the old key
+    # a setting the chosen rule does not read is refused, not ignored
+    (["data.balance=temperature", "data.balance.every=50"], "'data.balance.every' (data.balance kind temperature "
+                                                            "reads alpha)"),
+    (["data.balance.alpha=1"], "'data.balance.alpha' (data.balance kind none reads no settings)"),
+    (["data.balance=cap", "data.balance.cap=5", "data.balance=none"], "kind none reads no settings"),
     (["data.balance=temperature", "data.mode=streaming"], "need indexed reading"),
 ])
 def test_bad_source_and_balance_settings_are_one_line_errors(overrides, message):
@@ -486,7 +498,7 @@ def test_weights_computed_in_blocks_of_rows_equal_the_whole(monkeypatch):
 
     table = table_of(["a red circle", "", "a blue cross and a red ring", "nothing known"] * 10)
     rate = np.repeat([1.0, 3.0], 20)  # two sources' rates
-    for settings in (BalanceSettings("temperature", alpha=0.7), BalanceSettings("cap", cap=3)):
+    for settings in (TemperatureBalance(0.7), CapBalance(3)):
         whole = balance_factors(table, settings, rate)
         monkeypatch.setattr(balance, "ROWS_AT_ONCE", 3)  # blocks that start and end on captionless rows
         assert np.array_equal(balance_factors(table, settings, rate), whole)
@@ -497,7 +509,7 @@ def test_weights_computed_in_blocks_of_rows_equal_the_whole(monkeypatch):
 def test_captions_that_do_not_match_the_shards_are_refused_and_a_damaged_plan_is_recomputed(two_sets, tmp_path):
     root, big, small = two_sets
     index, mix = mix_of([SourceConfig(str(root / "big")), SourceConfig(str(root / "small"))])
-    settings = BalanceSettings("temperature", alpha=1.0)
+    settings = TemperatureBalance(1.0)
     with pytest.raises(ValueError, match="cover 119 captions, the shards 120 samples"):
         plan_draws(index, mix, settings, tmp_path, captions=lambda: iter(["a red circle"] * 119))
     plan = plan_draws(index, mix, settings, tmp_path)
@@ -565,7 +577,7 @@ def one_source(n, name="only"):
 
 def test_the_report_lists_concepts_by_natural_draws_and_combinations_by_boost(tmp_path):
     index, mix = one_source(len(PLAN_CAPTIONS))
-    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path / "run" / "data",
+    plan = plan_draws(index, mix, TemperatureBalance(1.0), tmp_path / "run" / "data",
                       captions=lambda: iter(PLAN_CAPTIONS))
     assert plan.expected == pytest.approx([9 / 16] * 4 + [9 / 8] * 4 + [9 / 4])
     # most drawn first, ties by name
@@ -577,7 +589,7 @@ def test_the_report_lists_concepts_by_natural_draws_and_combinations_by_boost(tm
     assert [row[2] / row[1] for row in combos] == pytest.approx([9 / 4, 9 / 8, 9 / 8, 9 / 16])
     assert load_plan(tmp_path / "run" / "data") is not None  # the run's folder made with its parents
     lines = describe_plan(plan)
-    assert lines[0] == "data: an epoch is 9 draws from 9 samples, balanced by concepts (method=temperature, alpha=1.0)"
+    assert lines[0] == "data: an epoch is 9 draws from 9 samples, balanced by concepts (temperature, alpha 1)"
     assert lines[-1].startswith("  rarest concept 'ring': 2.0 -> 2.")
     assert "0 captions name no known concept" in lines[-1]
 
@@ -588,7 +600,7 @@ def test_a_natural_plan_reads_no_caption_and_reports_no_concept(tmp_path):
     def unread():
         raise AssertionError("data.balance=none needs no caption")
 
-    plan = plan_draws(index, mix, BalanceSettings("none"), tmp_path, captions=unread)
+    plan = plan_draws(index, mix, NoBalance(), tmp_path, captions=unread)
     assert plan.expected == pytest.approx([1.0] * 4) and "concepts" not in plan.report
     assert "captions_without_entries" not in plan.report
     assert describe_plan(plan)[0] == "data: an epoch is 4 draws from 4 samples"
@@ -601,7 +613,7 @@ def test_the_report_counts_captionless_samples_and_the_natural_distinct_share(tm
     index = ShardIndex([{"url": url, "nsamples": 2} for url in urls])
     mix = SourceMix([Source("twice", urls[:1], repeat=2.0), Source("half", urls[1:], repeat=0.5)], [2, 2])
     captions = ["a red circle", "", "nothing known here", ""]
-    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=lambda: iter(captions))
+    plan = plan_draws(index, mix, TemperatureBalance(1.0), tmp_path, captions=lambda: iter(captions))
     assert plan.report["captions_without_entries"] == 3
     # an epoch shows min(1, rate) of each sample: both of "twice", half of each of "half"
     assert plan.report["natural_distinct_share"] == pytest.approx((1 + 1 + 0.5 + 0.5) / 4)
@@ -613,7 +625,7 @@ def test_the_plan_reads_concepts_with_the_extractor_it_is_given(tmp_path):
     def zebras(caption):
         return ["zebra"]
 
-    settings = BalanceSettings("temperature", alpha=1.0)
+    settings = TemperatureBalance(1.0)
     plan = plan_draws(index, mix, settings, tmp_path, extractor=zebras, captions=lambda: iter(["a red circle"] * 3))
     assert [row[0] for row in plan.report["concepts"]] == ["zebra"]
     assert plan.report["fingerprint"] == plan_fingerprint(index, mix, settings, zebras)
@@ -632,7 +644,7 @@ def test_extractors_without_a_description_are_told_apart_by_their_type():
     class Lions(Zebras):
         pass
 
-    settings = BalanceSettings("temperature", alpha=1.0)
+    settings = TemperatureBalance(1.0)
     assert plan_fingerprint(index, mix, settings, Zebras()) == plan_fingerprint(index, mix, settings, Zebras())
     assert plan_fingerprint(index, mix, settings, Zebras()) != plan_fingerprint(index, mix, settings, Lions())
 
@@ -640,7 +652,7 @@ def test_extractors_without_a_description_are_told_apart_by_their_type():
 @pytest.mark.parametrize("damage", ["int32", "column", "one unit more"])
 def test_a_stored_plan_whose_units_are_not_one_int64_per_sample_summing_to_the_epoch_is_not_reused(tmp_path, damage):
     index, mix = one_source(4)
-    plan = plan_draws(index, mix, BalanceSettings("none"), tmp_path)
+    plan = plan_draws(index, mix, NoBalance(), tmp_path)
     units = {"int32": plan.units.astype(np.int32), "column": plan.units[:, None],
              "one unit more": plan.units + np.eye(1, 4, dtype=np.int64)[0]}[damage]
     np.save(tmp_path / "draws.npy", units)
@@ -651,7 +663,7 @@ def test_the_plot_shows_the_reports_combinations_and_a_plot_as_new_as_the_report
     import data.concepts.plot
 
     index, mix = one_source(len(PLAN_CAPTIONS))
-    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path,
+    plan = plan_draws(index, mix, TemperatureBalance(1.0), tmp_path,
                       captions=lambda: iter(PLAN_CAPTIONS))
     drawn = []
 
@@ -723,7 +735,7 @@ def test_the_plan_and_the_entry_table_read_the_caption_field_they_are_given(tmp_
     from data.draw_plan import entry_table
 
     captions = ["a red circle", "a cyan ring", "a blue square"]
-    settings = BalanceSettings("temperature", alpha=1.0)
+    settings = TemperatureBalance(1.0)
     for field in ("caption", "alt_text"):
         shard = caption_shard(tmp_path / f"{field}.tar", captions, field=field)
         index, mix = ShardIndex([{"url": shard, "nsamples": 3}]), SourceMix([Source(field, [shard])], [3])
@@ -735,19 +747,19 @@ def test_the_plan_and_the_entry_table_read_the_caption_field_they_are_given(tmp_
         assert sum(map(len, (table.sample_entries(i) for i in range(3)))) == (9 if field == "caption" else 0)
 
 
-def test_balance_settings_refuse_what_cannot_be_used_and_describe_what_they_use():
-    for bad, message in [(BalanceSettings("inverse"), "must be one of none, temperature, cap, got 'inverse'"),
-                         (BalanceSettings("temperature", alpha=-0.5), "data.balance_alpha must be >= 0"),
-                         (BalanceSettings("temperature", alpha=float("nan")), "data.balance_alpha must be >= 0"),
-                         (BalanceSettings("cap", cap=0), "data.balance=cap needs data.balance_cap=T >= 1")]:
+def test_balance_rules_refuse_what_cannot_be_used_and_record_every_setting():
+    for bad, message in [(TemperatureBalance(-0.5), "data.balance.alpha must be >= 0"),
+                         (TemperatureBalance(float("nan")), "data.balance.alpha must be >= 0"),
+                         (CapBalance(0), "data.balance kind cap needs data.balance.cap=T >= 1")]:
         with pytest.raises(ValueError, match=message):
             bad.check()
-    for good in (BalanceSettings("cap", cap=1), BalanceSettings("temperature", alpha=0.0), BalanceSettings("none"),
-                 BalanceSettings("none", alpha=-1.0, cap=0)):  # a method's own parameter only
+    for good in (CapBalance(1), TemperatureBalance(0.0), NoBalance()):
         good.check()
-    assert BalanceSettings("cap", cap=5, alpha=2.0).as_dict() == {"method": "cap", "cap": 5}
-    assert BalanceSettings("temperature", alpha=0.7, cap=3).as_dict() == {"method": "temperature", "alpha": 0.7}
-    assert BalanceSettings("none", alpha=0.7, cap=3).as_dict() == {"method": "none"}
+    assert CapBalance(5).settings() == {"kind": "cap", "cap": 5}
+    assert TemperatureBalance(0.7).settings() == {"kind": "temperature", "alpha": 0.7}
+    assert NoBalance().settings() == {"kind": "none"}
+    for kind, rule in BALANCE_RULES.items():  # the kind each rule is registered under is its own
+        assert rule.KIND == kind and rule().settings()["kind"] == kind
 
 
 def test_the_most_boosted_combinations_come_first_whatever_their_count(tmp_path):
@@ -756,7 +768,7 @@ def test_the_most_boosted_combinations_come_first_whatever_their_count(tmp_path)
     captions = (["a red square and a green star", "a red square and a cyan ring", "a red square and a black cross"]
                 + ["a blue circle"] * 2 + ["a yellow triangle"] * 4)
     index, mix = one_source(len(captions))
-    plan = plan_draws(index, mix, BalanceSettings("temperature", alpha=1.0), tmp_path, captions=lambda: iter(captions))
+    plan = plan_draws(index, mix, TemperatureBalance(1.0), tmp_path, captions=lambda: iter(captions))
     assert [row[0] for row in plan.report["most_boosted_combinations"]] == [
         "black:cross", "cross + square", "cyan:ring", "green:star", "ring + square", "square + star",  # 1 sample each
         "red:square", "blue:circle", "yellow:triangle"]

@@ -35,7 +35,7 @@ def settings(shards, tmp_path, stream):
     if stream == "plain":  # one shard set in the uniform order
         return [*common, f"data.shards={shards / 'a'}"]
     # two sources by share, balanced by concepts, epochs of 10 draws: the segments cross epochs
-    return [*common, "data.balance=temperature", "data.balance_alpha=1", "data.epoch_samples=10",
+    return [*common, "data.balance=temperature", "data.balance.alpha=1", "data.epoch_samples=10",
             f"data.sources=[{{shards: {shards / 'a'}, share: 0.6}}, {{shards: {shards / 'b'}, share: 0.4}}]"]
 
 

@@ -16,10 +16,10 @@ from data.synthetic import write_synthetic_shards
 from test_distributed import digests, launch_command, launch_env
 
 REPO = Path(__file__).resolve().parents[1]
-OFFLINE = ("data.balance=temperature", "data.balance_alpha=1")
+OFFLINE = ("data.balance=temperature", "data.balance.alpha=1")
 # a refresh every step, every row scored: a new segment of the stream from every refresh on, 2 steps later (the
 # in-process loader's lag); the kill at step 3 falls between a refresh and its segment
-ONLINE = ("data.balance=imba", "data.balance_every=1", "data.balance_fraction=1")
+ONLINE = ("data.balance=imba", "data.balance.every=1", "data.balance.fraction=1")
 
 
 def run_args(root: Path, out: Path, *extra: str, balance: tuple = OFFLINE) -> list[str]:

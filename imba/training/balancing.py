@@ -1,9 +1,9 @@
 """data.balance=imba in the training loop: each batch's IMBA distances feed `data.online_balance.OnlineBalance`, and
-every `data.balance_every` steps its weights become a new segment of the weighted stream (`data.weighted.
+every `data.balance.every` steps its weights become a new segment of the weighted stream (`data.weighted.
 SegmentedOrder`), identical on every rank and carried by the checkpoints.
 
 Scoring. With the IMBA loss the distances are the loss's own (`stats["distance_per_token"]`, no extra pass); with
-the plain loss a no-grad pass of the unconditional prediction over the first `data.balance_fraction` of each batch's
+the plain loss a no-grad pass of the unconditional prediction over the first `data.balance.fraction` of each batch's
 rows gives them (a no-grad row costs about a third of a trained one: 1/8 of the rows, about 4 % of a step).
 
 Timing. The loader draws batches ahead of the step (worker processes or reader threads), so weights refreshed

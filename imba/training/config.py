@@ -225,13 +225,20 @@ def _coerce(key: str, value, hint):
 def _apply(cfg, updates: dict, prefix: str = "") -> None:
     hints = typing.get_type_hints(type(cfg))
     names = [f.name for f in dataclasses.fields(cfg)]
+    kinds = getattr(cfg, "KINDS", {})
     for name, value in updates.items():
         key = f"{prefix}{name}"
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (valid: {', '.join(names)})"
-            raise ConfigError(f"unknown config key {key!r}{hint}")
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"valid: {', '.join(names)}"
+            if hasattr(cfg, "KIND"):  # a setting the chosen kind does not read is refused, not ignored
+                reads = f"reads {', '.join(names)}" if names else "reads no settings"
+                hint = f"{prefix[:-1]} kind {cfg.KIND} {reads}" + (f"; did you mean {prefix}{close[0]}?" if close else "")
+            raise ConfigError(f"unknown config key {key!r} ({hint})")
         current = getattr(cfg, name)
+        if name in kinds:
+            setattr(cfg, name, _kind_setting(key, current, value, kinds[name]))
+            continue
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key {key!r} is a section; set its fields, e.g. {key}.<field>=...")
@@ -242,6 +249,34 @@ def _apply(cfg, updates: dict, prefix: str = "") -> None:
         if choices is not None and value not in choices:
             raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
         setattr(cfg, name, value)
+
+
+def _kind_setting(key: str, current, value, registry: dict[str, type]):
+    """A setting whose `kind` picks its dataclass from `registry`: `value` is a kind's name, or a mapping of its
+    settings with or without `kind` (without: the current kind's). Another kind starts from its defaults."""
+    updates = dict(value) if isinstance(value, dict) else {"kind": value}
+    kind = updates.pop("kind", current.KIND)
+    kind = kind.text if isinstance(kind, _Spelled) else kind
+    if not isinstance(kind, str) or kind not in registry:
+        raise ConfigError(f"config key {key!r} must be one of {', '.join(registry)} (its kind), got {kind!r}")
+    chosen = current if type(current) is registry[kind] else registry[kind]()
+    _apply(chosen, updates, prefix=f"{key}.")
+    return chosen
+
+
+def _merge(into: dict, tree: dict) -> None:
+    """Fold the override `tree` into `into`, later values winning; a kind's name and a mapping of its settings given
+    for the same key join (data.balance=cap data.balance.cap=20000, in either order)."""
+    for name, value in tree.items():
+        old = into.get(name)
+        if isinstance(value, dict) and isinstance(old, dict):
+            _merge(old, value)
+        elif isinstance(value, dict) and name in into:
+            into[name] = {"kind": old, **value}
+        elif isinstance(old, dict):
+            old["kind"] = value
+        else:
+            into[name] = value
 
 
 def _parse_override(item: str) -> dict:
@@ -298,8 +333,10 @@ def load_config(argv: list[str]) -> Config:
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {config_file!r} must hold a mapping of sections")
         _apply(cfg, migrate_config(loaded, config_file))  # keys earlier versions named
+    merged: dict = {}
     for item in overrides:
-        _apply(cfg, _parse_override(item))
+        _merge(merged, _parse_override(item))
+    _apply(cfg, migrate_config(merged, "the command line"))
     if resume is not None:
         cfg.train.resume = resume
     _validate(cfg)
@@ -361,8 +398,24 @@ _SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name → i
 # Every section's choices and ranges under their dotted keys (a range written wrongly fails here, at import)
 CHOICES = {f"{section}.{name}": allowed for section, kind in _SECTIONS.items()
            for name, allowed in getattr(kind, "CHOICES", {}).items()}
+CHOICES |= {f"{section}.{name}": tuple(registry) for section, kind in _SECTIONS.items()
+            for name, registry in getattr(kind, "KINDS", {}).items()}  # the kinds of a kind setting
 RANGES = {f"{section}.{name}": _Range.parse(spec) for section, kind in _SECTIONS.items()
           for name, spec in getattr(kind, "RANGES", {}).items()}
+# the settings of each kind of a kind setting: dotted key → {kind: its range}, e.g. "data.balance.alpha" →
+# {"temperature": >= 0, "imba": >= 0}
+KIND_RANGES: dict[str, dict[str, _Range]] = {}
+for _section, _kind_class in _SECTIONS.items():
+    for _name, _registry in getattr(_kind_class, "KINDS", {}).items():
+        for _choice, _rule in _registry.items():
+            for _field, _spec in _rule.RANGES.items():
+                KIND_RANGES.setdefault(f"{_section}.{_name}.{_field}", {})[_choice] = _Range.parse(_spec)
+
+
+def _kind_settings(cfg: Config) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every kind setting, e.g. ("data.balance", TemperatureBalance(alpha=0.5))."""
+    return [(f"{section}.{name}", getattr(getattr(cfg, section), name)) for section, kind in _SECTIONS.items()
+            for name in getattr(kind, "KINDS", {})]
 
 
 def _validate(cfg: Config) -> None:
@@ -373,6 +426,15 @@ def _validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not allowed.holds(value):
             raise ConfigError(f"config key {key!r} must be {allowed}, got {value}")
+    for key, rule in _kind_settings(cfg):
+        for name in rule.RANGES:
+            allowed, value = KIND_RANGES[f"{key}.{name}"][rule.KIND], getattr(rule, name)
+            if not allowed.holds(value):
+                raise ConfigError(f"config key '{key}.{name}' must be {allowed}, got {value}")
+        try:
+            rule.check()
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     for section in _SECTIONS:
         check = getattr(getattr(cfg, section), "check", None)
         if check is not None:
@@ -392,7 +454,8 @@ USAGE = """usage: python train.py [--config FILE] [--resume latest|CHECKPOINT] [
 
 Precedence: the defaults below < the YAML file < the section.key=value overrides (values read as YAML).
 Each setting with its type, its default, and its allowed values or range; a section's own cross-field checks
-(e.g. data.balance_cap with data.balance=cap) run after these."""
+(e.g. data.balance.cap with data.balance=cap) run after these. A kind setting (data.balance) takes a kind's
+name, or its settings: data.balance=cap data.balance.cap=20000."""
 
 
 def written(value) -> str:
@@ -411,7 +474,20 @@ def help_text() -> str:
         for f in dataclasses.fields(kind):
             key, hint = f"{section}.{f.name}", hints[f.name]
             type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-            line = f"  {key:<34} {type_name:<10} default {written(getattr(getattr(defaults, section), f.name))}"
+            default = getattr(getattr(defaults, section), f.name)
+            registry = getattr(kind, "KINDS", {}).get(f.name)
+            if registry is not None:  # its kind, then each kind's settings
+                lines.append(f"  {key:<34} {'kind':<10} default {default.KIND}, one of {', '.join(registry)}")
+                for choice, rule in registry.items():
+                    rule_hints = typing.get_type_hints(rule)
+                    for g in dataclasses.fields(rule):
+                        line = (f"  {f'{key}.{g.name}':<34} {rule_hints[g.name].__name__:<10} default "
+                                f"{written(getattr(rule(), g.name))} (kind {choice})")
+                        if g.name in rule.RANGES:
+                            line += f", must be {KIND_RANGES[f'{key}.{g.name}'][choice]}"
+                        lines.append(line)
+                continue
+            line = f"  {key:<34} {type_name:<10} default {written(default)}"
             if key in CHOICES:
                 line += f", one of {', '.join(map(str, CHOICES[key]))}"
             elif key in RANGES:
@@ -420,17 +496,39 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def as_data(value):
+    """A setting's value as plain data (dicts, lists, scalars); a kind setting's mapping starts with its `kind`."""
+    if dataclasses.is_dataclass(value):
+        kind = {"kind": value.KIND} if hasattr(type(value), "KIND") else {}
+        return kind | {f.name: as_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [as_data(v) for v in value]
+    return value
+
+
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    return as_data(cfg)
+
+
+def flat_settings(cfg: Config) -> dict:
+    """Every setting under its dotted key ({"section.key": value}; a kind setting's as "section.key.kind", ...)."""
+    flat = {}
+
+    def add(prefix: str, values: dict) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                add(f"{prefix}{key}.", value)
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    add("", to_dict(cfg))
+    return flat
 
 
 def flat_dict(cfg: Config) -> dict:
-    """Tracker-friendly flat view ({"section.key": scalar}); TensorBoard hparams take scalars only."""
-    flat = {}
-    for section, values in to_dict(cfg).items():
-        for key, value in values.items():
-            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return flat
+    """Tracker-friendly flat view of `flat_settings`: TensorBoard hparams take scalars only."""
+    return {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+            for key, value in flat_settings(cfg).items()}
 
 
 def dump_config(cfg: Config) -> str:

@@ -147,7 +147,7 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]
     except ValueError as err:
         raise ConfigError(str(err)) from err
     extractor = _extractor(cfg)
-    balance = d.balance_settings()  # data.balance=imba: the natural plan, which its balancer re-weights
+    balance = d.balance.plan_rule()  # an online rule: the natural plan, which its balancer re-weights
     if accelerator.is_main_process:
         plan = plan_draws(index, mix, balance, folder, extractor=extractor, caption_field=d.caption_field,
                           progress=True, workers=_caption_workers(index))
@@ -175,10 +175,11 @@ def _caption_workers(index: ShardIndex) -> int:
 
 def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source], patch_size: int,
                     num_train_timesteps: int) -> OnlineBalancer | None:
-    """data.balance=imba's balancer over the run's natural draw plan and its samples' entries (read once from the
-    captions by the main process into <train.output_dir>/data/entries.npz); None for other settings."""
-    d = cfg.data
-    if d.balance != "imba":
+    """An online data.balance rule's balancer (kind imba) over the run's natural draw plan and its samples' entries
+    (read once from the captions by the main process into <train.output_dir>/data/entries.npz); None for an offline
+    rule."""
+    d, rule = cfg.data, cfg.data.balance
+    if not rule.ONLINE:
         return None
     plan, index, mix = draw_plan(cfg, accelerator, sources)
     folder, fingerprint = RunFolder(cfg.train.output_dir).plan, plan.report["fingerprint"]
@@ -190,14 +191,10 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
             time.sleep(PLAN_POLL_S)
     accelerator.wait_for_everyone()
     lag = loader_lag(d.num_workers, d.loader_threads, cfg.train.grad_accum)
-    accelerator.print(f"data: balanced online by the IMBA distance: the temperature prior (alpha {d.balance_alpha:g}) "
-                      f"over {len(table.entries):,} concepts and combinations, {d.balance_groups} rarity groups "
-                      f"each moved within {d.balance_max:g}x of it every {d.balance_every} steps (in effect {lag} "
-                      f"steps later)")
-    balance = OnlineBalance(table, alpha=d.balance_alpha, groups=d.balance_groups, max_factor=d.balance_max,
-                            rate=d.balance_rate, natural=mix.rate)
-    return OnlineBalancer(balance, plan.units, mix.starts, plan.samples_per_epoch,
-                          cfg.train.seed, every=d.balance_every, fraction=d.balance_fraction, lag=lag,
+    accelerator.print(f"data: {rule.describe()} over {len(table.entries):,} concepts and combinations (weights in "
+                      f"effect {lag} steps after each refresh)")
+    return OnlineBalancer(rule.build(table, natural=mix.rate), plan.units, mix.starts, plan.samples_per_epoch,
+                          cfg.train.seed, every=rule.every, fraction=rule.fraction, lag=lag,
                           patch_size=patch_size, num_train_timesteps=num_train_timesteps,
                           rank=accelerator.process_index)
 

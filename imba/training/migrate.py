@@ -13,11 +13,19 @@ never become a key again: a file naming it is taken to be older than the change.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable
 
 RENAMED: dict[str, str] = {}  # old dotted key → its new dotted key (the value is kept as written)
 DROPPED: dict[str, str] = {}  # dotted key → why it went, e.g. "no longer used"
+# a setting that became a kind setting (its name was the kind, flat keys beside it its settings): dotted key →
+# {old flat dotted key: the setting's name inside it}. A flat key the kind does not read is dropped, as it went unread
+NESTED: dict[str, dict[str, str]] = {
+    "data.balance": {"data.balance_alpha": "alpha", "data.balance_cap": "cap", "data.balance_every": "every",
+                     "data.balance_fraction": "fraction", "data.balance_groups": "groups",
+                     "data.balance_max": "max_factor", "data.balance_rate": "rate"},
+}
 
 
 def _split(key: str) -> list[str]:
@@ -56,16 +64,51 @@ def _copy(tree):
     return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
+def _nest(tree: dict, key: str, flat: dict[str, str], registry: dict[str, type]) -> list[str]:
+    """Move the flat keys `flat` of `tree` into the kind setting `key` (see NESTED); what changed, as phrases."""
+    present = {}
+    for old in flat:
+        found, value = _pop(tree, old)
+        if found:
+            present[old] = value
+    if not present:
+        return []
+    *_, name = _split(key)
+    _, base = _pop(tree, key)
+    nested = dict(base) if isinstance(base, dict) else ({} if base is None else {"kind": base})
+    kind = nested.get("kind")
+    kind = getattr(kind, "text", kind)  # a YAML scalar as it was written
+    known = isinstance(kind, str) and kind in registry  # else the config's own check names the wrong kind
+    reads = {f.name for f in dataclasses.fields(registry[kind])} if known else None
+    moved, unread = [], []
+    for old, value in present.items():
+        if reads is not None and flat[old] not in reads:
+            unread.append(old)
+        elif flat[old] not in nested:  # set in its new place too: that one is read
+            nested[flat[old]] = value
+            moved.append(old)
+    _put(tree, key, nested)
+    written = ", ".join(f"{name}: {value}" for name, value in nested.items())
+    changes = [f"{', '.join(moved)} became {key}: {{{written}}}"] if moved else []
+    if unread:
+        changes.append(f"{', '.join(unread)} dropped (not read by {key} kind {kind})")
+    return changes
+
+
 def migrate_config(loaded: dict, source: str, renamed: dict[str, str] | None = None,
-                   dropped: dict[str, str] | None = None, log: Callable[[str], None] | None = None) -> dict:
-    """`loaded` (a config file's mapping of sections) with the keys of `renamed`/`dropped` (default: this version's
-    tables) moved or removed, as a new mapping; when anything changed, one line naming `source` says what. A renamed
-    key whose new name the file also sets is dropped: the new one is the one this version reads."""
+                   dropped: dict[str, str] | None = None, log: Callable[[str], None] | None = None,
+                   nested: dict[str, dict[str, str]] | None = None) -> dict:
+    """`loaded` (a config file's mapping of sections) with the keys of `renamed`/`dropped`/`nested` (default: this
+    version's tables) moved or removed, as a new mapping; when anything changed, one line naming `source` says what.
+    A renamed key whose new name the file also sets is dropped: the new one is the one this version reads."""
     renamed = RENAMED if renamed is None else renamed
     dropped = DROPPED if dropped is None else dropped
+    nested = NESTED if nested is None else nested
     if not isinstance(loaded, dict):
         return loaded
     migrated, changes = _copy(loaded), []
+    for key, flat in nested.items():
+        changes += _nest(migrated, key, flat, kind_registry(key))
     for old, new in renamed.items():
         present, value = _pop(migrated, old)
         if not present:
@@ -82,6 +125,15 @@ def migrate_config(loaded: dict, source: str, renamed: dict[str, str] | None = N
     if changes:
         (log or _print_once)(f"config of {source}: {'; '.join(changes)}")
     return migrated
+
+
+def kind_registry(key: str) -> dict[str, type]:
+    """The kinds of the kind setting `key` ("section.name"), by name."""
+    from data.settings import DataConfig
+
+    sections = {"data": DataConfig}
+    section, name = _split(key)
+    return sections[section].KINDS[name]
 
 
 def _print_once(line: str) -> None:

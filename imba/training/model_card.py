@@ -50,7 +50,7 @@ def _data_line(cfg: Config) -> str:
         text = f"`{d.shards}` (img2dataset-layout tar shards)"
     else:
         text = f"the project's synthetic shapes ({d.synthetic_samples} images)"
-    balance = d.describe_balance()
+    balance = d.balance.describe()
     return f"{text}, {balance}" if balance else text
 
 

@@ -14,7 +14,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from imba.training.checkpoints import CONFIG_FILE
-from imba.training.config import Config, ConfigError, load_config, to_dict, written
+from imba.training.config import Config, ConfigError, flat_settings, load_config, written
 
 # pattern -> what a change does to the resumed run
 SAFE: dict[str, str] = {
@@ -67,13 +67,9 @@ def _judge(key: str, old, new) -> tuple[bool, str]:
     return False, "not known to be safe"
 
 
-def _flat(cfg: Config) -> dict:
-    return {f"{section}.{key}": value for section, values in to_dict(cfg).items() for key, value in values.items()}
-
-
 def compare_settings(saved: Config, now: Config) -> tuple[list[str], list[str]]:
     """(the refused changes, the allowed ones), each 'key old -> new (why)', in the config's order."""
-    before, after = _flat(saved), _flat(now)
+    before, after = flat_settings(saved), flat_settings(now)
     refused, allowed = [], []
     for key, new in after.items():
         old = before.get(key)
