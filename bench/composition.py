@@ -66,6 +66,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,13 +76,16 @@ for path in (str(REPO), str(REPO / "bench")):
 
 import torch  # noqa: E402
 
-from composition_scenes import (BUCKETS, COLOURS, FAILURES, IMAGES_OF, SHAPES, TILE, WORLDS, Oracle,  # noqa: E402
-                                PairWorld, ScenePool, TilePool, WordEncoder, bucket_success, judge,
+from composition_scenes import (BUCKETS, COLOURS, FAILURES, IMAGES_OF, SHAPES, STREAMS, TILE, WORLDS,  # noqa: E402
+                                Oracle, PairWorld, ScenePool, TilePool, WordEncoder, bucket_success, judge,
                                 oracle_per_class, pair_name, probe_prompts, train_oracle)
 
 from data.online_balance import FACTOR_ONE  # noqa: E402
+from imba.loss_settings import LossConfig  # noqa: E402
+from imba.objectives import OBJECTIVES  # noqa: E402
 
-# kind / reference / normalize / estimator: imba.training_loss.TrainingLoss; stream: which objects are drawn
+# A variant is data (`Variant`): the loss (the trainer's `loss` section, imba.loss_settings.LossConfig: kind,
+# reference, normalize, estimator, ...), the objective (flow or ddpm, ε), the stream: which objects are drawn
 # (composition_scenes.STREAMS), or, in fixed-scene mode, which scenes, in proportion to a factor per scene from its
 # caption alone, without the pair labels (WEIGHTED_STREAMS: "caption" = data.balance temperature with exponent
 # `alpha`, what a user of the data layer gets with data.balance=temperature; "imba_online" = the weights of
@@ -89,48 +93,88 @@ from data.online_balance import FACTOR_ONE  # noqa: E402
 # weighted per object half, each half's tokens by its own object's weight: the inverse frequency of its concepts
 # (offline re-weighting as a user would do it) or the importance ratio p_balanced(pair) / p_pool(pair) of the
 # pair-balanced stream ("importance"); "importance_joint" weighs both halves by the product of the two ratios, the
-# exact ratio of the whole scene; objective: flow or ddpm (ε); hues / bursty / jitter: the data levers of
-# composition_scenes (colour diversity: HUES-coloured tiles, half as many as the pool's; burstiness: the share of
-# scenes whose second object takes the first one's colour; latent intervention: the largest hue rotation of a training
-# tile, in turns)
+# exact ratio of the whole scene; hues / bursty / jitter: the data levers of composition_scenes (colour diversity:
+# HUES-coloured tiles, half as many as the pool's; burstiness: the share of scenes whose second object takes the
+# first one's colour; latent intervention: the largest hue rotation of a training tile, in turns).
+WEIGHTED_STREAMS = ("caption", "imba_online")
+REWEIGHTS = ("inverse_freq", "importance", "importance_joint")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One benchmark variant. Build it with `variant(**keys)`: a key it does not know is an error, never ignored."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    objective: str = "flow"
+    stream: str = "long_tailed"
+    alpha: float | None = None  # a weighted stream's temperature exponent
+    reweight: str | None = None
+    # the concept-specificity control: each row's token weights given to another row of the same noise-level bin
+    shuffle_weights: bool = False
+    hues: float = 0.0
+    bursty: float = 0.0
+    jitter: float = 0.0
+
+    def __post_init__(self):
+        for name, value, allowed in (("objective", self.objective, tuple(OBJECTIVES)),
+                                     ("stream", self.stream, STREAMS + WEIGHTED_STREAMS),
+                                     ("reweight", self.reweight, (None, *REWEIGHTS)),
+                                     *((f"loss.{k}", getattr(self.loss, k), v) for k, v in LossConfig.CHOICES.items())):
+            if value not in allowed:
+                raise ValueError(f"variant {name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        if (self.alpha is not None) != (self.stream in WEIGHTED_STREAMS):
+            raise ValueError(f"alpha is the exponent of a weighted stream ({', '.join(WEIGHTED_STREAMS)}): give it "
+                             f"with one of them and only then (stream {self.stream}, alpha {self.alpha})")
+        if self.shuffle_weights and self.loss.kind == "plain":
+            raise ValueError("shuffle_weights permutes the IMBA loss's weights: the plain loss has none")
+        self.loss.check()
+
+
+def variant(**keys) -> Variant:
+    """A Variant from flat keys: the loss's (LossConfig's fields) and the variant's own; any other key is a
+    TypeError that names it."""
+    loss_keys = {k: keys.pop(k) for k in [k for k in keys if k in LOSS_FIELDS]}
+    return Variant(loss=LossConfig(**loss_keys), **keys)
+
+
+LOSS_FIELDS = {f.name for f in fields(LossConfig)}
 VARIANTS = {
-    "plain": dict(kind="plain"),
-    "plain_balanced": dict(kind="plain", stream="pair_balanced"),
-    "plain_concept_balanced": dict(kind="plain", stream="concept_balanced"),
-    "inverse_freq": dict(kind="plain", reweight="inverse_freq"),
-    "importance": dict(kind="plain", reweight="importance"),
-    "importance_joint": dict(kind="plain", reweight="importance_joint"),
-    "imba_target": dict(kind="imba", reference="target"),
-    "imba_sample": dict(kind="imba_sample", reference="target"),
-    "imba_target_tnorm": dict(kind="imba", reference="target", normalize="timestep_mean"),
-    "imba_cond": dict(kind="imba", reference="cond"),
-    "imba_cond_bnorm": dict(kind="imba", reference="cond", normalize="batch_mean"),
-    "imba_cond_tnorm": dict(kind="imba", reference="cond", normalize="timestep_mean"),
-    "imba_target_efficient": dict(kind="imba", reference="target", estimator="efficient"),
-    "imba_target_tnorm_efficient": dict(kind="imba", reference="target", normalize="timestep_mean",
+    "plain": variant(kind="plain"),
+    "plain_balanced": variant(kind="plain", stream="pair_balanced"),
+    "plain_concept_balanced": variant(kind="plain", stream="concept_balanced"),
+    "inverse_freq": variant(kind="plain", reweight="inverse_freq"),
+    "importance": variant(kind="plain", reweight="importance"),
+    "importance_joint": variant(kind="plain", reweight="importance_joint"),
+    "imba_target": variant(kind="imba", reference="target"),
+    "imba_sample": variant(kind="imba_sample", reference="target"),
+    "imba_target_tnorm": variant(kind="imba", reference="target", normalize="timestep_mean"),
+    "imba_cond": variant(kind="imba", reference="cond"),
+    "imba_cond_bnorm": variant(kind="imba", reference="cond", normalize="batch_mean"),
+    "imba_cond_tnorm": variant(kind="imba", reference="cond", normalize="timestep_mean"),
+    "imba_target_efficient": variant(kind="imba", reference="target", estimator="efficient"),
+    "imba_target_tnorm_efficient": variant(kind="imba", reference="target", normalize="timestep_mean",
                                         estimator="efficient"),
-    "imba_cond_tnorm_efficient": dict(kind="imba", reference="cond", normalize="timestep_mean",
+    "imba_cond_tnorm_efficient": variant(kind="imba", reference="cond", normalize="timestep_mean",
                                       estimator="efficient"),
     # the concept-specificity control of the form above: each row's token weights given to another row of the same
     # noise-level bin (the weights' distribution per level kept, their link to the row they were measured on cut)
-    "imba_target_tnorm_efficient_shuffled": dict(kind="imba", reference="target", normalize="timestep_mean",
+    "imba_target_tnorm_efficient_shuffled": variant(kind="imba", reference="target", normalize="timestep_mean",
                                                  estimator="efficient", shuffle_weights=True),
-    "plain_eps": dict(kind="plain", objective="ddpm"),
-    "plain_balanced_eps": dict(kind="plain", stream="pair_balanced", objective="ddpm"),
-    "imba_target_eps": dict(kind="imba", reference="target", objective="ddpm"),
-    "imba_target_tnorm_eps": dict(kind="imba", reference="target", normalize="timestep_mean", objective="ddpm"),
-    "imba_cond_tnorm_eps": dict(kind="imba", reference="cond", normalize="timestep_mean", objective="ddpm"),
-    "plain_hues": dict(kind="plain", hues=0.5),
-    "plain_bursty": dict(kind="plain", bursty=0.5),
-    "plain_jitter": dict(kind="plain", jitter=0.05),
+    "plain_eps": variant(kind="plain", objective="ddpm"),
+    "plain_balanced_eps": variant(kind="plain", stream="pair_balanced", objective="ddpm"),
+    "imba_target_eps": variant(kind="imba", reference="target", objective="ddpm"),
+    "imba_target_tnorm_eps": variant(kind="imba", reference="target", normalize="timestep_mean", objective="ddpm"),
+    "imba_cond_tnorm_eps": variant(kind="imba", reference="cond", normalize="timestep_mean", objective="ddpm"),
+    "plain_hues": variant(kind="plain", hues=0.5),
+    "plain_bursty": variant(kind="plain", bursty=0.5),
+    "plain_jitter": variant(kind="plain", jitter=0.05),
     # data.balance=temperature at the shipped default exponent, and at full balancing
-    "caption_balanced": dict(kind="plain", stream="caption", alpha=0.5),
-    "caption_balanced_a1": dict(kind="plain", stream="caption", alpha=1.0),
+    "caption_balanced": variant(kind="plain", stream="caption", alpha=0.5),
+    "caption_balanced_a1": variant(kind="plain", stream="caption", alpha=1.0),
     # data.balance=imba (data.online_balance.OnlineBalance) with its defaults: the temperature prior of
     # caption_balanced (alpha 0.5), four rarity groups, each moved by its IMBA distance beyond 4 standard errors
-    "imba_grouped": dict(kind="plain", stream="imba_online", alpha=0.5),
+    "imba_grouped": variant(kind="plain", stream="imba_online", alpha=0.5),
 }
-WEIGHTED_STREAMS = ("caption", "imba_online")
 BALANCE_EVERY = 50  # steps between refreshes of the online balance's weights
 # the default: the three streams and the IMBA form measured best at equal compute so far, in both worlds, 5 seeds
 DEFAULT_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient"]
@@ -165,7 +209,7 @@ PROTOCOL = 2  # part of a run's settings: runs recorded before per-seed worlds a
 
 
 def objective_of(variant: str) -> str:
-    return VARIANTS[variant].get("objective", "flow")
+    return VARIANTS[variant].objective
 
 
 def imba_rows(batch_size: int) -> int:
@@ -179,11 +223,11 @@ def relative_cost(variant: str, batch_size: int = 32) -> float:
     the online balance's plain step + `imba_rows(B)` rows without = 1 + imba_rows(B) / 3B (1.042 at B = 32).
     It places the controls' evaluation lengths; the comparisons use each run's counted compute."""
     spec = VARIANTS[variant]
-    if spec.get("stream") == "imba_online":
+    if spec.stream == "imba_online":
         return 1.0 + imba_rows(batch_size) / (3 * batch_size)
-    if spec["kind"] == "plain":
+    if spec.loss.kind == "plain":
         return 1.0
-    return 1.3 if spec.get("estimator") == "efficient" else 2.0
+    return 1.3 if spec.loss.estimator == "efficient" else 2.0
 
 
 def equal_compute_steps(length: int, cost: float) -> int:
@@ -191,14 +235,14 @@ def equal_compute_steps(length: int, cost: float) -> int:
 
 
 def is_lever(variant: str) -> bool:
-    return any(VARIANTS[variant].get(lever) for lever in LEVERS)
+    return any(getattr(VARIANTS[variant], lever) for lever in LEVERS)
 
 
 def is_stream_control(variant: str) -> bool:
     """The plain-cost runs the others are compared with at equal compute: plain on each stream of
     composition_scenes.STREAMS, and the levers. The caption- and IMBA-weighted streams are compared with them."""
     spec = VARIANTS[variant]
-    return ((spec["kind"] == "plain" and not spec.get("reweight") and spec.get("stream") not in WEIGHTED_STREAMS)
+    return ((spec.loss.kind == "plain" and not spec.reweight and spec.stream not in WEIGHTED_STREAMS)
             or is_lever(variant))
 
 
@@ -437,7 +481,7 @@ def run_one(job: dict) -> dict:
 
     variant, seed, lengths = job["variant"], job["seed"], sorted(job["steps"])
     spec = VARIANTS[variant]
-    stream = spec.get("stream", "long_tailed")
+    stream = spec.stream
     world = PairWorld(job["world"], None if job["fixed_ranks"] else seed)
     text = WordEncoder(seed=0)
     oracles = {}
@@ -446,20 +490,18 @@ def run_one(job: dict) -> dict:
             oracles[suffix] = Oracle()
             oracles[suffix].load_state_dict(torch.load(path, weights_only=True))
 
-    pool = TilePool(world, seed, tiles=job["pool"], hue_tiles=round(spec.get("hues", 0) * job["pool"]))
+    pool = TilePool(world, seed, tiles=job["pool"], hue_tiles=round(spec.hues * job["pool"]))
     scene_pool = ScenePool(pool, seed) if job["scenes"] == "fixed" else None
-    if scene_pool is not None and spec.get("bursty"):  # main refuses it first: a worker must not exit
+    if scene_pool is not None and spec.bursty:  # main refuses it first: a worker must not exit
         raise ValueError(f"{variant} composes its scenes at batch time; run it with --scenes online")
     if scene_pool is None and stream in WEIGHTED_STREAMS:
         raise ValueError(f"{variant} weights a fixed pool of scenes by their captions; run it with --scenes fixed")
-    online = {k: spec[k] for k in ("rate", "max_factor", "groups") if k in spec}
-    weighted = (WeightedScenes(stream, scene_pool.captions(realistic=job["world"] == "captioned"), spec.get("alpha"),
-                               **online)
+    weighted = (WeightedScenes(stream, scene_pool.captions(realistic=job["world"] == "captioned"), spec.alpha)
                 if stream in WEIGHTED_STREAMS else None)
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None
-    if spec.get("reweight"):
-        weights = (inverse_frequency_weights(pool.pair_of_tile) if spec["reweight"] == "inverse_freq"
+    if spec.reweight:
+        weights = (inverse_frequency_weights(pool.pair_of_tile) if spec.reweight == "inverse_freq"
                    else importance_weights(pool.pair_of_tile))
         tile_weight = torch.tensor([weights.get(p, 1.0) for p in pool.pair_of_tile])
 
@@ -469,9 +511,8 @@ def run_one(job: dict) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
     objective = build_objective(objective_of(variant))
-    loss_fn = TrainingLoss(spec["kind"], patch_size=PATCH, reference=spec.get("reference", "target"),
-                           estimator=spec.get("estimator", "literal"), normalize=spec.get("normalize", "none"))
-    if spec.get("shuffle_weights"):  # a timestep_mean form: the loss's own level bins
+    loss_fn = TrainingLoss(**spec.loss.kwargs(), patch_size=PATCH)
+    if spec.shuffle_weights:  # a timestep_mean form: the loss's own level bins
         imba = loss_fn.imba
         imba.weights = weights_shuffled_within_levels(imba.weights, imba.timestep_mean.bin_of,
                                                       generator_for(seed, "shuffle"))
@@ -502,15 +543,15 @@ def run_one(job: dict) -> dict:
             left, right = scene_pool.left[chosen], scene_pool.right[chosen]
         else:
             left, right = pool.draw(batch, stream, select_gen), pool.draw(batch, stream, select_gen)
-            if spec.get("bursty"):
-                right = pool.same_colour(left, spec["bursty"], right, lever_gen)
+            if spec.bursty:
+                right = pool.same_colour(left, spec.bursty, right, lever_gen)
             online_scenes.update(zip(left.tolist(), right.tolist()))
         drawn = torch.cat([left, right])
         stream_objects(objects, pool.colour_of_tile[drawn], pool.shape_of_tile[drawn])
         tile_seen.index_add_(0, drawn, torch.ones_like(drawn))
         scenes = pool.scenes(left, right)
-        if spec.get("jitter"):
-            turns = spec["jitter"] * (2 * torch.rand(2 * len(left), generator=lever_gen) - 1)
+        if spec.jitter:
+            turns = spec.jitter * (2 * torch.rand(2 * len(left), generator=lever_gen) - 1)
             halves = rotate_hue(torch.cat([scenes[..., :TILE], scenes[..., TILE:]]), turns)
             scenes = torch.cat(halves.chunk(2), dim=3)
         noised = objective.noise(scenes, generator=noise_gen)
@@ -525,7 +566,7 @@ def run_one(job: dict) -> dict:
             mask = torch.where(drop[:, None], null[1], cond[1])
             pred = predict_fn(noised.noisy, noised.timesteps, embeds, mask)
             w_left, w_right = tile_weight[left], tile_weight[right]
-            if spec["reweight"] == "importance_joint":
+            if spec.reweight == "importance_joint":
                 w_left = w_right = w_left * w_right
             loss, stats = half_weighted_loss(pred, noised.target, w_left, w_right), {}
         if weighted is not None and weighted.online is not None:
@@ -597,7 +638,7 @@ def _key(job: dict) -> tuple:
 def computed_as(job: dict) -> dict:
     """The job whose run `job` is: a variant that reads no captions trains in the captioned world exactly as in
     pair_tail, whose images, labels and draws it shares, so its run is computed (or reused) once, as pair_tail's."""
-    if IMAGES_OF[job["world"]] != job["world"] and VARIANTS[job["variant"]].get("stream") not in WEIGHTED_STREAMS:
+    if IMAGES_OF[job["world"]] != job["world"] and VARIANTS[job["variant"]].stream not in WEIGHTED_STREAMS:
         return {**job, "world": IMAGES_OF[job["world"]]}
     return job
 
@@ -1079,7 +1120,7 @@ def levers_against_imba(runs: list[dict], lengths: list[int]) -> dict:
     seeds_of = per_seed(runs)
     out: dict = {}
     for lever in (v for v in seeds_of if is_lever(v)):
-        for imba in (v for v in seeds_of if VARIANTS[v]["kind"] != "plain" and relative_cost(v) > 1
+        for imba in (v for v in seeds_of if VARIANTS[v].loss.kind != "plain" and relative_cost(v) > 1
                      and objective_of(v) == objective_of(lever)):
             for length in lengths:
                 steps = equal_compute_steps(length, relative_cost(imba))
@@ -1273,11 +1314,11 @@ def main(argv: list[str] | None = None) -> int:
     variants, worlds, scenes, seeds, lengths, per_pair = run_plan(args)
     equal_compute = not args.no_equal_compute
     factors = tuple(sorted({relative_cost(v, args.batch_size) for v in variants} - {1.0}))
-    batch_time = [v for v in variants if VARIANTS[v].get("bursty")]
+    batch_time = [v for v in variants if VARIANTS[v].bursty]
     if scenes == "fixed" and batch_time:
         raise SystemExit(f"error: {' '.join(batch_time)} composes its scenes at batch time; run it with "
                          "--scenes online")
-    weighted = [v for v in variants if VARIANTS[v].get("stream") in WEIGHTED_STREAMS]
+    weighted = [v for v in variants if VARIANTS[v].stream in WEIGHTED_STREAMS]
     if scenes == "online" and weighted:
         raise SystemExit(f"error: {' '.join(weighted)} weights a fixed pool of scenes by their captions; run it with "
                          "--scenes fixed")

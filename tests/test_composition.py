@@ -142,6 +142,25 @@ def test_importance_weights_turn_the_pool_into_the_balanced_stream_in_expectatio
     assert all(math.isclose(pairs.count(p) * w, len(pairs) / 3) for p, w in weights.items())
 
 
+def test_a_variant_is_data_and_a_key_the_runner_does_not_know_is_an_error():
+    with pytest.raises(TypeError, match="distanse"):
+        composition.variant(kind="imba", distanse="l1")
+    for bad, message in [(dict(kind="imba", distance="l3"), "loss.distance must be one of mse, l1, l2"),
+                         (dict(stream="balanced"), "variant stream must be one of long_tailed"),
+                         (dict(stream="caption"), "alpha is the exponent of a weighted stream"),
+                         (dict(alpha=0.5), "alpha is the exponent of a weighted stream"),
+                         (dict(kind="plain", shuffle_weights=True), "the plain loss has none"),
+                         (dict(reweight="inverse"), "variant reweight must be one of None, inverse_freq"),
+                         (dict(objective="edm"), "variant objective must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            composition.variant(**bad)
+    # every loss setting of a variant reaches the loss it trains with, as the trainer's loss section does
+    spec = composition.variant(kind="imba", distance="l1", gamma=0.5, lam=0.7, reference="cond")
+    assert spec.loss.kwargs() == {**composition.LossConfig().kwargs(), "kind": "imba", "distance": "l1",
+                                  "gamma": 0.5, "lam": 0.7, "reference": "cond"}
+    assert all(isinstance(v, composition.Variant) for v in composition.VARIANTS.values())
+
+
 def test_controls_and_levers_train_on_to_the_equal_compute_lengths():
     assert composition.train_lengths("plain", [1000]) == [1000, 2000]
     # the longest length times the largest cost: every other variant's compute lies inside and is read by
