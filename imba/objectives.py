@@ -44,6 +44,7 @@ class DDPMEpsilon:
     """ε-prediction on a discrete DDPM schedule (PixArt-α: linear betas 1e-4 → 0.02, T = 1000)."""
 
     name = "ddpm"
+    predicts_epsilon = True  # what min-SNR weighting (loss.min_snr_gamma) is defined for
 
     def __init__(self, num_train_timesteps: int = 1000, beta_schedule: str = "linear",
                  beta_start: float = 0.0001, beta_end: float = 0.02):
@@ -86,6 +87,7 @@ class RectifiedFlow:
     """
 
     name = "flow"
+    predicts_epsilon = False
 
     def __init__(self, num_train_timesteps: int = 1000, logit_mean: float = 0.0, logit_std: float = 1.0,
                  shift: float = 1.0):

@@ -30,6 +30,7 @@ import yaml
 
 from data.settings import DataConfig
 from imba.loss_settings import LossConfig
+from imba.objectives import OBJECTIVES
 from imba.objective_settings import ObjectiveConfig
 from imba.training.migrate import migrate_config
 from models.settings import ModelConfig, SpeedConfig
@@ -443,7 +444,7 @@ def _validate(cfg: Config) -> None:
             except ValueError as err:
                 raise ConfigError(str(err)) from err
     # across sections
-    if cfg.loss.min_snr_gamma and cfg.objective.kind != "ddpm":
+    if cfg.loss.min_snr_gamma and not OBJECTIVES[cfg.objective.kind].predicts_epsilon:
         raise ConfigError(f"loss.min_snr_gamma weights ε-prediction (objective.kind=ddpm), not "
                           f"objective.kind={cfg.objective.kind}: a flow objective weights its timesteps by how it "
                           "samples them (objective.logit_mean, logit_std, shift)")
