@@ -81,11 +81,11 @@ from composition_scenes import (BUCKETS, COLOURS, FAILURES, IMAGES_OF, SHAPES, S
                                 oracle_per_class, pair_name, probe_prompts, train_oracle)
 
 from data.online_balance import FACTOR_ONE  # noqa: E402
-from imba.loss_settings import LossConfig  # noqa: E402
+from imba.loss_settings import LOSS_SETTINGS, LossConfig, PlainLoss  # noqa: E402
 from imba.objectives import OBJECTIVES  # noqa: E402
 
-# A variant is data (`Variant`): the loss (the trainer's `loss` section, imba.loss_settings.LossConfig: kind,
-# reference, normalize, estimator, ...), the objective (flow or ddpm, ε), the stream: which objects are drawn
+# A variant is data (`Variant`): the loss (the trainer's `loss` section, imba.loss_settings: its kind and that
+# kind's settings: reference, normalize, estimator, ...), the objective (flow or ddpm, ε), the stream: which objects are drawn
 # (composition_scenes.STREAMS), or, in fixed-scene mode, which scenes, in proportion to a factor per scene from its
 # caption alone, without the pair labels (WEIGHTED_STREAMS: "caption" = data.balance temperature with exponent
 # `alpha`, what a user of the data layer gets with data.balance=temperature; "imba_online" = the weights of
@@ -104,7 +104,7 @@ REWEIGHTS = ("inverse_freq", "importance", "importance_joint")
 class Variant:
     """One benchmark variant. Build it with `variant(**keys)`: a key it does not know is an error, never ignored."""
 
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=PlainLoss)
     objective: str = "flow"
     stream: str = "long_tailed"
     alpha: float | None = None  # a weighted stream's temperature exponent
@@ -119,25 +119,26 @@ class Variant:
         for name, value, allowed in (("objective", self.objective, tuple(OBJECTIVES)),
                                      ("stream", self.stream, STREAMS + WEIGHTED_STREAMS),
                                      ("reweight", self.reweight, (None, *REWEIGHTS)),
-                                     *((f"loss.{k}", getattr(self.loss, k), v) for k, v in LossConfig.CHOICES.items())):
+                                     *((f"loss.{k}", getattr(self.loss, k), v) for k, v in self.loss.CHOICES.items())):
             if value not in allowed:
                 raise ValueError(f"variant {name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
         if (self.alpha is not None) != (self.stream in WEIGHTED_STREAMS):
             raise ValueError(f"alpha is the exponent of a weighted stream ({', '.join(WEIGHTED_STREAMS)}): give it "
                              f"with one of them and only then (stream {self.stream}, alpha {self.alpha})")
-        if self.shuffle_weights and self.loss.kind == "plain":
+        if self.shuffle_weights and isinstance(self.loss, PlainLoss):
             raise ValueError("shuffle_weights permutes the IMBA loss's weights: the plain loss has none")
         self.loss.check()
 
 
-def variant(**keys) -> Variant:
-    """A Variant from flat keys: the loss's (LossConfig's fields) and the variant's own; any other key is a
-    TypeError that names it."""
-    loss_keys = {k: keys.pop(k) for k in [k for k in keys if k in LOSS_FIELDS]}
-    return Variant(loss=LossConfig(**loss_keys), **keys)
-
-
-LOSS_FIELDS = {f.name for f in fields(LossConfig)}
+def variant(kind: str = "plain", **keys) -> Variant:
+    """A Variant from flat keys: the loss `kind` and that kind's settings, and the variant's own; any other key
+    (a setting the loss kind does not read included) is a TypeError that names it."""
+    if kind not in LOSS_SETTINGS:
+        raise ValueError(f"variant loss kind must be one of {', '.join(LOSS_SETTINGS)}, got {kind!r}")
+    loss = LOSS_SETTINGS[kind]
+    settings = {f.name for f in fields(loss)}
+    loss_keys = {k: keys.pop(k) for k in [k for k in keys if k in settings]}
+    return Variant(loss=loss(**loss_keys), **keys)
 VARIANTS = {
     "plain": variant(kind="plain"),
     "plain_balanced": variant(kind="plain", stream="pair_balanced"),
@@ -225,7 +226,7 @@ def relative_cost(variant: str, batch_size: int = 32) -> float:
     spec = VARIANTS[variant]
     if spec.stream == "imba_online":
         return 1.0 + imba_rows(batch_size) / (3 * batch_size)
-    if spec.loss.kind == "plain":
+    if isinstance(spec.loss, PlainLoss):
         return 1.0
     return 1.3 if spec.loss.estimator == "efficient" else 2.0
 
@@ -242,7 +243,7 @@ def is_stream_control(variant: str) -> bool:
     """The plain-cost runs the others are compared with at equal compute: plain on each stream of
     composition_scenes.STREAMS, and the levers. The caption- and IMBA-weighted streams are compared with them."""
     spec = VARIANTS[variant]
-    return ((spec.loss.kind == "plain" and not spec.reweight and spec.stream not in WEIGHTED_STREAMS)
+    return ((isinstance(spec.loss, PlainLoss) and not spec.reweight and spec.stream not in WEIGHTED_STREAMS)
             or is_lever(variant))
 
 
@@ -1120,7 +1121,7 @@ def levers_against_imba(runs: list[dict], lengths: list[int]) -> dict:
     seeds_of = per_seed(runs)
     out: dict = {}
     for lever in (v for v in seeds_of if is_lever(v)):
-        for imba in (v for v in seeds_of if VARIANTS[v].loss.kind != "plain" and relative_cost(v) > 1
+        for imba in (v for v in seeds_of if not isinstance(VARIANTS[v].loss, PlainLoss) and relative_cost(v) > 1
                      and objective_of(v) == objective_of(lever)):
             for length in lengths:
                 steps = equal_compute_steps(length, relative_cost(imba))

@@ -177,6 +177,7 @@ class BalanceRule:
     `data.balance: {kind: KIND, field: value}`. RANGES bounds its numeric settings as a config section's do."""
 
     KIND: ClassVar[str] = ""
+    CHOICES: ClassVar[dict] = {}
     RANGES: ClassVar[dict] = {}
     ONLINE: ClassVar[bool] = False  # its factors move as the run goes (`plan_rule` is the rule its plan starts from)
 

@@ -1,6 +1,12 @@
-"""The `loss` section of the training config: which loss trains the DiT (`imba.training_loss.TrainingLoss`), with
-its choices and checks (a config section, as `models/settings.py` says). Its fields are `TrainingLoss`'s keywords,
-so a setting added to the loss is added here once and reaches it through `kwargs()`."""
+"""The `loss` section of the training config: which loss trains the DiT (`imba.training_loss.TrainingLoss`), one
+kind with its own settings (a config section, as `models/settings.py` says):
+
+    loss: {kind: plain, lam: 0.9}                              # python train.py loss=plain loss.lam=0.8
+    loss: {kind: imba, gamma: 0.8, normalize: timestep_mean}   # python train.py loss=imba loss.gamma=0.5
+
+Each kind is a dataclass of its settings, registered in LOSS_SETTINGS by its KIND; its fields are `TrainingLoss`'s
+keywords, so a setting added to a kind reaches the loss through `kwargs()`, and a setting its kind does not read is
+refused when the config loads."""
 
 from __future__ import annotations
 
@@ -9,43 +15,32 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from imba.loss import DISTANCES, NORMALIZATIONS, REFERENCES, LossSettingError
-from imba.training_loss import ESTIMATORS, LOSS_KINDS, TrainingLoss
+from imba.training_loss import ESTIMATORS, TrainingLoss
+
+_SNR_RANGE = {"min_snr_gamma": ">= 0 (0 = off)"}
 
 
 @dataclass
 class LossConfig:
-    # plain (MSE + caption dropout; the default: it wins the composition benchmark at equal compute,
-    # bench/README.md) | imba (token level, the paper's form) | imba_sample (sample level)
-    kind: str = "plain"
-    gamma: float = 0.8
-    lam: float = 0.9  # IMBA: weight of the conditional term; plain: caption dropout p = 1 - lam
-    distance: str = "mse"  # mse | l1 | l2
-    reference: str = "target"  # target (paper) | cond (unbiased optimum, docs/method.md)
-    normalize: str = "none"  # none | batch_mean | timestep_mean (running mean of D per timestep bin)
-    # literal: cond + uncond passes with grad on every sample (≈ 2× a plain step); efficient: unbiased estimator of
-    # the same gradient, caption dropout 1 - lam + no-grad uncond pass on the kept samples (≈ 1.3×)
-    estimator: str = "literal"
+    """The settings every loss kind has; a kind is a subclass with its KIND, its own settings and its line."""
+
+    KIND: ClassVar[str] = ""
+    CHOICES: ClassVar[dict] = {}
+    RANGES: ClassVar[dict] = _SNR_RANGE
     # min-SNR weighting of each sample's loss, min(SNR, γ) / SNR (γ = 5 in its paper): 0 = off; ε-prediction only
     # (objective.kind=ddpm); with IMBA it multiplies IMBA's own weights
     min_snr_gamma: float = 0.0
 
-    CHOICES: ClassVar[dict] = {"kind": LOSS_KINDS, "distance": DISTANCES, "reference": REFERENCES,
-                               "normalize": NORMALIZATIONS, "estimator": ESTIMATORS}
-    RANGES: ClassVar[dict] = {"min_snr_gamma": ">= 0 (0 = off)"}
-
     def kwargs(self) -> dict:
         """Keyword arguments of `TrainingLoss` (the run adds the patch size and how ranks share the loss's state)."""
-        return dataclasses.asdict(self)
+        return {"kind": self.KIND, **dataclasses.asdict(self)}
 
     def describe(self) -> str:
-        """One line: the loss and its settings, as the model card states it. A kind without a line here is a
-        KeyError, never another kind's line."""
-        snr = f", min-SNR weighting γ = {self.min_snr_gamma:g}" if self.min_snr_gamma else ""
-        if self.kind == "plain":
-            return f"plain diffusion MSE with caption dropout {1 - self.lam:g}{snr}"
-        level = {"imba": "token level", "imba_sample": "sample level"}[self.kind]
-        return (f"IMBA ({level}): γ = {self.gamma:g}, λ = {self.lam:g}, distance {self.distance}, reference "
-                f"{self.reference}, normalisation {self.normalize}, estimator {self.estimator}{snr}")
+        """One line: the loss and its settings, as the start-up log and the model card state it."""
+        raise NotImplementedError(f"loss kind {self.KIND!r} has no describe()")
+
+    def snr(self) -> str:
+        return f", min-SNR weighting γ = {self.min_snr_gamma:g}" if self.min_snr_gamma else ""
 
     def check(self) -> None:
         """The loss's own checks (`LossSettingError`), as a one-line ValueError naming the config key."""
@@ -53,3 +48,48 @@ class LossConfig:
             TrainingLoss(**self.kwargs())
         except LossSettingError as err:
             raise ValueError(f"config key 'loss.{err.setting}' {err.problem}") from err
+
+
+@dataclass
+class PlainLoss(LossConfig):
+    """The plain diffusion loss (MSE) with caption dropout: the default, which wins the composition benchmark at
+    equal compute (bench/README.md)."""
+
+    KIND: ClassVar[str] = "plain"
+    lam: float = 0.9  # caption dropout p = 1 - lam
+
+    def describe(self) -> str:
+        return f"plain diffusion MSE with caption dropout {1 - self.lam:g}{self.snr()}"
+
+
+@dataclass
+class ImbaLoss(LossConfig):
+    """The IMBA loss at token level, the paper's form (docs/method.md)."""
+
+    KIND: ClassVar[str] = "imba"
+    LEVEL: ClassVar[str] = "token level"
+    CHOICES: ClassVar[dict] = {"distance": DISTANCES, "reference": REFERENCES, "normalize": NORMALIZATIONS,
+                               "estimator": ESTIMATORS}
+    gamma: float = 0.8
+    lam: float = 0.9  # weight of the conditional term
+    distance: str = "mse"  # mse | l1 | l2
+    reference: str = "target"  # target (paper) | cond (unbiased optimum, docs/method.md)
+    normalize: str = "none"  # none | batch_mean | timestep_mean (running mean of D per timestep bin)
+    # literal: cond + uncond passes with grad on every sample (≈ 2× a plain step); efficient: unbiased estimator of
+    # the same gradient, caption dropout 1 - lam + no-grad uncond pass on the kept samples (≈ 1.3×)
+    estimator: str = "literal"
+
+    def describe(self) -> str:
+        return (f"IMBA ({self.LEVEL}): γ = {self.gamma:g}, λ = {self.lam:g}, distance {self.distance}, reference "
+                f"{self.reference}, normalisation {self.normalize}, estimator {self.estimator}{self.snr()}")
+
+
+@dataclass
+class ImbaSampleLoss(ImbaLoss):
+    """The IMBA loss at sample level: one weight per sample instead of per token."""
+
+    KIND: ClassVar[str] = "imba_sample"
+    LEVEL: ClassVar[str] = "sample level"
+
+
+LOSS_SETTINGS: dict[str, type[LossConfig]] = {kind.KIND: kind for kind in (PlainLoss, ImbaLoss, ImbaSampleLoss)}

@@ -156,8 +156,12 @@ def test_a_variant_is_data_and_a_key_the_runner_does_not_know_is_an_error():
             composition.variant(**bad)
     # every loss setting of a variant reaches the loss it trains with, as the trainer's loss section does
     spec = composition.variant(kind="imba", distance="l1", gamma=0.5, lam=0.7, reference="cond")
-    assert spec.loss.kwargs() == {**composition.LossConfig().kwargs(), "kind": "imba", "distance": "l1",
-                                  "gamma": 0.5, "lam": 0.7, "reference": "cond"}
+    assert spec.loss.kwargs() == {"kind": "imba", "distance": "l1", "gamma": 0.5, "lam": 0.7, "reference": "cond",
+                                  "normalize": "none", "estimator": "literal", "min_snr_gamma": 0.0}
+    with pytest.raises(TypeError, match="reference"):  # a setting the plain loss does not read
+        composition.variant(kind="plain", reference="cond")
+    with pytest.raises(ValueError, match="variant loss kind must be one of plain, imba, imba_sample"):
+        composition.variant(kind="imba_tokens")
     assert all(isinstance(v, composition.Variant) for v in composition.VARIANTS.values())
 
 

@@ -13,10 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_defaults_yaml_and_overrides_in_order(tmp_path):
     f = tmp_path / "exp.yaml"
-    f.write_text("loss:\n  gamma: 0.5\n  kind: plain\ntrain:\n  max_steps: 7\n")
+    f.write_text("loss:\n  gamma: 0.5\n  kind: imba_sample\ntrain:\n  max_steps: 7\n")  # the kind is read first
     cfg = load_config(["--config", str(f), "loss.gamma=1", "data.shards=/x/{0..3}.tar", "--resume", "latest"])
     assert cfg.loss.gamma == 1.0 and isinstance(cfg.loss.gamma, float)  # CLI beats YAML; int → float
-    assert cfg.loss.kind == "plain" and cfg.train.max_steps == 7
+    assert cfg.loss.KIND == "imba_sample" and cfg.train.max_steps == 7
     assert cfg.data.shards == "/x/{0..3}.tar"
     assert cfg.train.resume == "latest"
     assert cfg.loss.lam == 0.9  # untouched default
@@ -29,21 +29,25 @@ def test_list_and_null_values():
 
 
 def test_saved_config_round_trips(tmp_path):
-    cfg = load_config(["loss.reference=cond", "model.preset=small"])
+    cfg = load_config(["loss=imba", "loss.reference=cond", "model.preset=small"])
     save_config(cfg, tmp_path / "c.yaml")
     again = load_config(["--config", str(tmp_path / "c.yaml")])
     assert again == cfg
 
 
 @pytest.mark.parametrize("args,message", [
-    (["loss.gama=0.5"], "unknown config key 'loss.gama' (did you mean loss.gamma?)"),
+    (["loss=imba", "loss.gama=0.5"], "unknown config key 'loss.gama' (loss kind imba reads min_snr_gamma, gamma, lam, "
+                                     "distance, reference, normalize, estimator; did you mean loss.gamma?)"),
+    (["loss.gamma=0.5"], "unknown config key 'loss.gamma' (loss kind plain reads min_snr_gamma, lam)"),
+    (["optim.lrr=0.1"], "unknown config key 'optim.lrr' (did you mean optim.lr?)"),
     (["trian.max_steps=3"], "unknown config key 'trian'"),
     (["train.max_steps=abc"], "config key 'train.max_steps' expects int, got 'abc'"),
     (["train.max_steps=1.5"], "expects int"),
-    (["loss.gamma=true"], "expects float"),
-    (["loss.kind=focal"], "must be one of imba, imba_sample, plain"),
+    (["loss=imba", "loss.gamma=true"], "expects float"),
+    (["loss.kind=focal"], "'loss' must be one of plain, imba, imba_sample (its kind), got 'focal'"),
     (["objective.kind=edm"], "must be one of flow, ddpm"),
-    (["loss=3"], "is a section"),
+    (["loss=3"], "'loss' must be one of plain, imba, imba_sample (its kind), got '3'"),
+    (["optim=3"], "is a section"),
     (["max_steps"], "overrides look like section.key=value"),
     (["--config", "nope.yaml"], "config file 'nope.yaml' not found"),
 ])
@@ -55,11 +59,12 @@ def test_mistakes_give_one_clear_line(args, message):
 
 
 def test_train_py_prints_one_line_and_exits_nonzero_on_a_bad_key():
-    proc = subprocess.run([sys.executable, "train.py", "loss.gama=0.5"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "train.py", "loss=imba", "loss.gama=0.5"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == "error: unknown config key 'loss.gama' (did you mean loss.gamma?)"
+    assert last.startswith("error: unknown config key 'loss.gama' (loss kind imba reads ")
+    assert last.endswith("; did you mean loss.gamma?)")
 
 
 
@@ -79,6 +84,10 @@ def test_train_py_help_lists_every_setting_with_its_default_and_rule(flag):
     defaults = Config()
     keys = []
     for section in dataclasses.fields(Config):
+        if section.name in Config.KINDS:  # a kind section: its kind, then each kind's settings
+            keys += [section.name] + [f"{section.name}.{g.name}{kind}" for kind, rule in
+                                      Config.KINDS[section.name].items() for g in dataclasses.fields(rule)]
+            continue
         kinds = getattr(getattr(defaults, section.name), "KINDS", {})
         for f in dataclasses.fields(getattr(defaults, section.name)):
             keys.append(f"{section.name}.{f.name}")

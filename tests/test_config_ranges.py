@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from imba.training.config import KIND_RANGES, RANGES, ConfigError, _Range, load_config
+from imba.training.config import KIND_RANGES, KIND_SETTINGS, RANGES, ConfigError, _Range, load_config
 
 
 def _ranges():
@@ -15,10 +15,10 @@ def _ranges():
     for key, allowed in RANGES.items():
         yield key, [], allowed, type(_value(defaults, key))
     for key, by_kind in KIND_RANGES.items():
-        section, name, setting = key.split(".")
+        owner, setting = key.rsplit(".", 1)  # a kind section (loss) or a section's kind setting (data.balance)
         for kind, allowed in by_kind.items():
-            rule = type(getattr(defaults, section)).KINDS[name][kind]
-            yield key, [f"{section}.{name}={kind}"], allowed, typing.get_type_hints(rule)[setting]
+            rule = KIND_SETTINGS[owner][kind]
+            yield key, [f"{owner}={kind}"], allowed, typing.get_type_hints(rule)[setting]
 
 
 def _value(cfg, key: str):

@@ -563,13 +563,13 @@ def test_extraction_reads_prompts_env_vars_continuations_comments_and_synopses(t
         "```bash\n"
         "# a comment\n"
         "$ OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python3 train.py --config configs/tiny.yaml \\\n"
-        "    loss.gamma=0.5   # see README.md#loss\n"
+        "    loss.lam=0.5   # see README.md#loss\n"
         "accelerate launch --num_processes 2 -m data.precompute in/ out/ --resolution 64 && python bench/toy2d.py\n"
         "python -c 'print(1)'\n"
         "```\n"))
     got = [(c.line, c.kind, c.target, c.args) for c in commands_in_file(doc)]
     assert got == [
-        (7, "train", "train.py", ("--config", "configs/tiny.yaml", "loss.gamma=0.5")),
+        (7, "train", "train.py", ("--config", "configs/tiny.yaml", "loss.lam=0.5")),
         (9, "module", "data.precompute", ("in/", "out/", "--resolution", "64")),
         (9, "script", "bench/toy2d.py", ()),
         (1, "module", "data.writers", ("folder|table", "SRC", "OUT")),
@@ -579,8 +579,8 @@ def test_extraction_reads_prompts_env_vars_continuations_comments_and_synopses(t
 
 
 @pytest.mark.parametrize("args, problem", [
-    ("loss.gama=1", "unknown config key 'loss.gama' (did you mean loss.gamma?)"),
-    ("loss.gama=DIR", "unknown config key 'loss.gama' (did you mean loss.gamma?)"),  # placeholder: key still checked
+    ("optim.lrr=1", "unknown config key 'optim.lrr' (did you mean optim.lr?)"),
+    ("optim.lrr=DIR", "unknown config key 'optim.lrr' (did you mean optim.lr?)"),  # placeholder: key still checked
     ("train.max_steps=many", "config key 'train.max_steps' expects int, got 'many'"),
     ("--config configs/nope.yaml", "--config configs/nope.yaml: no such file"),
     ("--export ckpt out extra", "usage: python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]"),

@@ -33,7 +33,7 @@ from data.indexed import make_indexed_loader
 from data.sources import SourceConfig
 from data.streaming import make_image_text_loader
 from data.settings import BALANCE_RULES
-from imba.training.config import CHOICES, KIND_RANGES, RANGES, Config, ConfigError, load_config
+from imba.training.config import CHOICES, KIND_RANGES, KIND_SETTINGS, RANGES, Config, ConfigError, load_config
 from shard_helpers import encode, write_tar
 
 CONFIG_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
@@ -51,6 +51,12 @@ def _fields() -> tuple[dict[str, typing.Any], dict[str, str]]:
     first kind that reads it)."""
     out, kind_of = {}, {}
     for section in dataclasses.fields(Config):
+        if section.name in Config.KINDS:  # a kind section: each kind's settings, under the first kind that reads it
+            for kind, rule in Config.KINDS[section.name].items():
+                for g in dataclasses.fields(rule):
+                    out.setdefault(f"{section.name}.{g.name}", typing.get_type_hints(rule)[g.name])
+                    kind_of.setdefault(f"{section.name}.{g.name}", kind)
+            continue
         hints = typing.get_type_hints(section.default_factory)
         for f in dataclasses.fields(section.default_factory):
             out[f"{section.name}.{f.name}"] = hints[f.name]
@@ -107,7 +113,7 @@ def _float_spellings(x: float) -> list[str]:
 
 
 def _bounds(key: str) -> tuple[float, float, bool, bool]:
-    r = KIND_RANGES[key].get(KIND_OF[key]) if key in KIND_OF else RANGES.get(key)
+    r = KIND_RANGES.get(key, {}).get(KIND_OF[key]) if key in KIND_OF else RANGES.get(key)
     if r is None:
         return -1e6, 1e6, False, False
     high = 1e6 if r.high is None else r.high
@@ -125,6 +131,12 @@ def valid_override(draw) -> tuple[str, str, typing.Any]:
     if key in CHOICES:
         value = draw(st.sampled_from(CHOICES[key]))
         return key, value, value
+    if key in KIND_OF:  # a kind's own setting with choices
+        owner, name = key.rsplit(".", 1)
+        allowed = KIND_SETTINGS[owner][KIND_OF[key]].CHOICES.get(name)
+        if allowed is not None:
+            value = draw(st.sampled_from(allowed))
+            return key, value, value
     if key == "data.sources":
         shards = draw(st.lists(st.text(string.ascii_letters + string.digits + "_/.-", min_size=1, max_size=16)
                                .filter(_plain_scalar), min_size=1, max_size=3, unique=True))
@@ -178,7 +190,8 @@ def test_valid_values_are_applied_exactly(override):
     key, text, value = override
     # settings valid only beside another: LoRA adapts trained weights, min-SNR weights ε-prediction
     needs = {"model.lora_rank": ["model.pretrained=some/export"], "loss.min_snr_gamma": ["objective.kind=ddpm"]}
-    needs |= {key: [f"{key.rsplit('.', 1)[0]}={kind}"] for key, kind in KIND_OF.items()}  # a kind's own setting
+    for key_of_kind, kind in KIND_OF.items():  # a kind's own setting: that kind first
+        needs[key_of_kind] = [f"{key_of_kind.rsplit('.', 1)[0]}={kind}", *needs.get(key_of_kind, [])]
     cfg = load_config([*needs.get(key, []), f"{key}={text}"])
     got = cfg
     for name in key.split("."):

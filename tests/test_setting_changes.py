@@ -13,6 +13,7 @@ import pytest
 
 from imba.training.checkpoints import CONFIG_FILE
 from data.settings import BALANCE_RULES
+from imba.loss_settings import LOSS_SETTINGS
 from imba.training.config import Config, ConfigError, dump_config, flat_dict, load_config
 from imba.training.setting_changes import BREAKING, SAFE, check_resumed_settings, compare_settings
 from tests.test_checkpoints import TinyRun
@@ -21,10 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_setting_is_judged_and_every_pattern_names_a_setting():
-    kinds = [f"data.balance={kind}" for kind in BALANCE_RULES]  # each kind's own settings
+    kinds = [f"data.balance={kind}" for kind in BALANCE_RULES] + [f"loss={kind}" for kind in LOSS_SETTINGS]
     keys = list(dict.fromkeys(k for kind in kinds for k in flat_dict(load_config([kind, "data.balance.cap=1"]
                                                                                   if kind.endswith("cap") else [kind]))))
-    assert "data.balance.every" in keys and "data.balance.cap" in keys
+    assert "data.balance.every" in keys and "data.balance.cap" in keys and "loss.gamma" in keys
     unjudged = [k for k in keys if not any(fnmatchcase(k, p) for p in (*SAFE, *BREAKING))]
     assert unjudged == []
     for pattern in (*SAFE, *BREAKING):
@@ -54,7 +55,8 @@ def test_safe_changes_are_allowed_and_named(change):
 def test_changes_that_break_the_state_or_the_position_are_refused(change):
     key = change.split("=", 1)[0]
     prompts = "sample.prompts=[a red circle]"  # on your own data they would be left to the run (auto)
-    base = [prompts, "data.balance=imba"] if key.startswith("data.balance.") else [prompts]  # a rule's setting
+    kind = {"data.balance.": "data.balance=imba", "loss.": "loss=imba"}  # the kind whose setting it is
+    base = [prompts, *(v for prefix, v in kind.items() if key.startswith(prefix) and key != "loss.kind")]
     refused, allowed = compare_settings(load_config(base), load_config([*base, change]))
     # a kind setting's change of kind is named as its .kind
     assert allowed == [] and {key, f"{key}.kind"} & {line.split()[0] for line in refused}

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from imba.training.config import CHOICES, RANGES, Config
+from imba.loss_settings import LOSS_SETTINGS
+from imba.training.config import CHOICES, KIND_RANGES, KIND_SETTINGS, RANGES, Config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,8 +30,13 @@ def test_every_choice_and_range_names_a_field_of_its_section():
     sections = {f.name: {g.name for g in dataclasses.fields(getattr(Config(), f.name))}
                 for f in dataclasses.fields(Config)}
     for key in (*CHOICES, *RANGES):
+        if key in KIND_SETTINGS:  # the kinds of a kind setting
+            continue
         section, name = key.split(".")
         assert name in sections[section], key
+    for key, by_kind in KIND_RANGES.items():  # a kind's range names a setting of that kind
+        owner, name = key.rsplit(".", 1)
+        assert all(name in {f.name for f in dataclasses.fields(KIND_SETTINGS[owner][k])} for k in by_kind), key
 
 
 def test_what_the_sections_name_is_what_the_components_build():
@@ -62,7 +68,9 @@ def test_the_keywords_a_section_hands_over_are_its_components_parameters():
 
     cfg = Config()
     precompute_fields = {f.name for f in dataclasses.fields(PrecomputeSettings)}
-    assert set(cfg.loss.kwargs()) <= set(inspect.signature(TrainingLoss).parameters)
+    for kind in LOSS_SETTINGS.values():  # every kind's settings, and its name
+        assert set(kind().kwargs()) <= set(inspect.signature(TrainingLoss).parameters)
+        assert TrainingLoss(**kind().kwargs()).kind == kind.KIND
     assert set(cfg.model.encoders()) <= set(inspect.signature(FrozenEncoders.load).parameters)
     assert set(cfg.model.encoders()) <= precompute_fields
     assert set(cfg.data.decoding()) <= set(inspect.signature(build_loader).parameters)

@@ -1,6 +1,6 @@
 """Typed training configuration: nested dataclasses, one YAML file per experiment, dotted CLI overrides.
 
-    python train.py --config configs/tiny.yaml loss.gamma=0.5 train.max_steps=100 --resume latest
+    python train.py --config configs/tiny.yaml loss=imba loss.gamma=0.5 train.max_steps=100 --resume latest
 
 Precedence: dataclass defaults < YAML file < CLI overrides. Values are read as YAML; a float key also takes the
 spellings YAML 1.1 leaves as strings (`1e-4`, `1E-4`, `+1e-4`), and a str key keeps a number as it was written
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import yaml
 
 from data.settings import DataConfig
-from imba.loss_settings import LossConfig
+from imba.loss_settings import LOSS_SETTINGS, LossConfig, PlainLoss
 from imba.objectives import OBJECTIVES
 from imba.objective_settings import ObjectiveConfig
 from imba.training.migrate import migrate_config
@@ -143,12 +143,14 @@ def tracker_names(trackers: str) -> list[str]:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=PlainLoss)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    KINDS: ClassVar[dict] = {"loss": LOSS_SETTINGS}  # sections whose `kind` picks their dataclass
 
     def global_batch(self, processes: int) -> int:
         """Samples per optimizer step over all processes: per process × accumulation steps × processes."""
@@ -394,29 +396,39 @@ def _number(text: str) -> int | float:
     return int(text) if re.fullmatch(r"-?[0-9]+", text) else float(text)
 
 
-_SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name → its dataclass
+_SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name]  # section name → its dataclass
+                              for f in dataclasses.fields(Config)}
+# every setting with kinds, a section (loss) or a section's setting (data.balance): dotted key → {kind: dataclass}
+KIND_SETTINGS: dict[str, dict[str, type]] = {**Config.KINDS, **{
+    f"{section}.{name}": registry for section, kind in _SECTIONS.items()
+    for name, registry in getattr(kind, "KINDS", {}).items()}}
+_FIXED = {section: kind for section, kind in _SECTIONS.items() if section not in Config.KINDS}  # one dataclass
 
 # Every section's choices and ranges under their dotted keys (a range written wrongly fails here, at import)
-CHOICES = {f"{section}.{name}": allowed for section, kind in _SECTIONS.items()
+CHOICES = {f"{section}.{name}": allowed for section, kind in _FIXED.items()
            for name, allowed in getattr(kind, "CHOICES", {}).items()}
-CHOICES |= {f"{section}.{name}": tuple(registry) for section, kind in _SECTIONS.items()
-            for name, registry in getattr(kind, "KINDS", {}).items()}  # the kinds of a kind setting
-RANGES = {f"{section}.{name}": _Range.parse(spec) for section, kind in _SECTIONS.items()
+CHOICES |= {key: tuple(registry) for key, registry in KIND_SETTINGS.items()}  # the kinds of a kind setting
+RANGES = {f"{section}.{name}": _Range.parse(spec) for section, kind in _FIXED.items()
           for name, spec in getattr(kind, "RANGES", {}).items()}
 # the settings of each kind of a kind setting: dotted key → {kind: its range}, e.g. "data.balance.alpha" →
 # {"temperature": >= 0, "imba": >= 0}
 KIND_RANGES: dict[str, dict[str, _Range]] = {}
-for _section, _kind_class in _SECTIONS.items():
-    for _name, _registry in getattr(_kind_class, "KINDS", {}).items():
-        for _choice, _rule in _registry.items():
-            for _field, _spec in _rule.RANGES.items():
-                KIND_RANGES.setdefault(f"{_section}.{_name}.{_field}", {})[_choice] = _Range.parse(_spec)
+for _key, _registry in KIND_SETTINGS.items():
+    for _choice, _rule in _registry.items():
+        for _field, _spec in _rule.RANGES.items():
+            KIND_RANGES.setdefault(f"{_key}.{_field}", {})[_choice] = _Range.parse(_spec)
+
+
+def setting(cfg, key: str):
+    """The value of the dotted `key` ("data.balance", "loss.gamma") in `cfg`."""
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def _kind_settings(cfg: Config) -> list[tuple[str, Any]]:
     """(dotted key, value) of every kind setting, e.g. ("data.balance", TemperatureBalance(alpha=0.5))."""
-    return [(f"{section}.{name}", getattr(getattr(cfg, section), name)) for section, kind in _SECTIONS.items()
-            for name in getattr(kind, "KINDS", {})]
+    return [(key, setting(cfg, key)) for key in KIND_SETTINGS]
 
 
 def _validate(cfg: Config) -> None:
@@ -436,7 +448,7 @@ def _validate(cfg: Config) -> None:
             rule.check()
         except ValueError as err:
             raise ConfigError(str(err)) from err
-    for section in _SECTIONS:
+    for section in _FIXED:
         check = getattr(getattr(cfg, section), "check", None)
         if check is not None:
             try:
@@ -464,6 +476,22 @@ def written(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...")
 
 
+def _kind_lines(key: str, default, registry: dict[str, type]) -> list[str]:
+    """--help's lines of a kind setting: its kind, then each kind's settings."""
+    lines = [f"  {key:<34} {'kind':<10} default {default.KIND}, one of {', '.join(registry)}"]
+    for choice, rule in registry.items():
+        hints = typing.get_type_hints(rule)
+        for f in dataclasses.fields(rule):
+            line = (f"  {f'{key}.{f.name}':<34} {hints[f.name].__name__:<10} default {written(getattr(rule(), f.name))}"
+                    f" (kind {choice})")
+            if f.name in rule.CHOICES:
+                line += f", one of {', '.join(map(str, rule.CHOICES[f.name]))}"
+            elif f.name in rule.RANGES:
+                line += f", must be {KIND_RANGES[f'{key}.{f.name}'][choice]}"
+            lines.append(line)
+    return lines
+
+
 def help_text() -> str:
     """`train.py --help`: the usage, then every setting read from the section dataclasses (type, default, choices
     or range), so the list cannot drift from what `load_config` accepts."""
@@ -471,23 +499,17 @@ def help_text() -> str:
     defaults = Config()
     for section, kind in _SECTIONS.items():
         lines.append(f"\n{section}:")
+        if section in KIND_SETTINGS:
+            lines += _kind_lines(section, getattr(defaults, section), KIND_SETTINGS[section])
+            continue
         hints = typing.get_type_hints(kind)
         for f in dataclasses.fields(kind):
             key, hint = f"{section}.{f.name}", hints[f.name]
-            type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
             default = getattr(getattr(defaults, section), f.name)
-            registry = getattr(kind, "KINDS", {}).get(f.name)
-            if registry is not None:  # its kind, then each kind's settings
-                lines.append(f"  {key:<34} {'kind':<10} default {default.KIND}, one of {', '.join(registry)}")
-                for choice, rule in registry.items():
-                    rule_hints = typing.get_type_hints(rule)
-                    for g in dataclasses.fields(rule):
-                        line = (f"  {f'{key}.{g.name}':<34} {rule_hints[g.name].__name__:<10} default "
-                                f"{written(getattr(rule(), g.name))} (kind {choice})")
-                        if g.name in rule.RANGES:
-                            line += f", must be {KIND_RANGES[f'{key}.{g.name}'][choice]}"
-                        lines.append(line)
+            if key in KIND_SETTINGS:
+                lines += _kind_lines(key, default, KIND_SETTINGS[key])
                 continue
+            type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
             line = f"  {key:<34} {type_name:<10} default {written(default)}"
             if key in CHOICES:
                 line += f", one of {', '.join(map(str, CHOICES[key]))}"

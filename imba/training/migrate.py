@@ -21,6 +21,10 @@ RENAMED: dict[str, str] = {}  # old dotted key → its new dotted key (the value
 DROPPED: dict[str, str] = {}  # dotted key → why it went, e.g. "no longer used"
 # a setting that became a kind setting (its name was the kind, flat keys beside it its settings): dotted key →
 # {old flat dotted key: the setting's name inside it}. A flat key the kind does not read is dropped, as it went unread
+# a section that became a kind setting: the keys every config written before held in it, for every kind. A section
+# holding all of them is such a config, and the keys its kind does not read are dropped, as they went unread; in any
+# other config they are refused
+FLAT_SECTIONS: dict[str, tuple[str, ...]] = {"loss": ("gamma", "lam", "distance", "reference", "normalize", "estimator")}
 NESTED: dict[str, dict[str, str]] = {
     "data.balance": {"data.balance_alpha": "alpha", "data.balance_cap": "cap", "data.balance_every": "every",
                      "data.balance_fraction": "fraction", "data.balance_groups": "groups",
@@ -62,6 +66,23 @@ def _put(tree: dict, key: str, value) -> None:
 
 def _copy(tree):
     return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _drop_unread(tree: dict, key: str, keys: tuple[str, ...], registry: dict[str, type]) -> list[str]:
+    """Drop the settings of the kind section `key` its kind does not read, when the section holds every key of
+    `keys` (see FLAT_SECTIONS); what changed, as phrases."""
+    section = tree.get(key)
+    if not isinstance(section, dict) or not all(k in section for k in keys):
+        return []
+    kind = getattr(section.get("kind"), "text", section.get("kind"))
+    if not isinstance(kind, str) or kind not in registry:
+        return []
+    reads = {f.name for f in dataclasses.fields(registry[kind])}
+    others = {f.name for rule in registry.values() for f in dataclasses.fields(rule)}  # an unknown key is refused
+    unread = [k for k in section if k in others - reads]
+    for k in unread:
+        del section[k]
+    return [f"{', '.join(f'{key}.{k}' for k in unread)} dropped (not read by {key} kind {kind})"] if unread else []
 
 
 def _nest(tree: dict, key: str, flat: dict[str, str], registry: dict[str, type]) -> list[str]:
@@ -109,6 +130,8 @@ def migrate_config(loaded: dict, source: str, renamed: dict[str, str] | None = N
     migrated, changes = _copy(loaded), []
     for key, flat in nested.items():
         changes += _nest(migrated, key, flat, kind_registry(key))
+    for key, keys in FLAT_SECTIONS.items():
+        changes += _drop_unread(migrated, key, keys, kind_registry(key))
     for old, new in renamed.items():
         present, value = _pop(migrated, old)
         if not present:
@@ -128,12 +151,11 @@ def migrate_config(loaded: dict, source: str, renamed: dict[str, str] | None = N
 
 
 def kind_registry(key: str) -> dict[str, type]:
-    """The kinds of the kind setting `key` ("section.name"), by name."""
-    from data.settings import DataConfig
+    """The kinds of the kind setting `key` ("loss", "data.balance"), by name."""
+    from data.settings import BALANCE_RULES
+    from imba.loss_settings import LOSS_SETTINGS
 
-    sections = {"data": DataConfig}
-    section, name = _split(key)
-    return sections[section].KINDS[name]
+    return {"loss": LOSS_SETTINGS, "data.balance": BALANCE_RULES}[key]
 
 
 def _print_once(line: str) -> None:

@@ -62,7 +62,7 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
     header = {
         "library_name": "diffusers",
         "pipeline_tag": "text-to-image",
-        "tags": ["text-to-image", "diffusers", "pixart", "imba-dit", f"loss-{cfg.loss.kind.replace('_', '-')}"],
+        "tags": ["text-to-image", "diffusers", "pixart", "imba-dit", f"loss-{cfg.loss.KIND.replace('_', '-')}"],
     }
     if base:
         header["base_model"] = base

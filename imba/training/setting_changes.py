@@ -14,7 +14,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from imba.training.checkpoints import CONFIG_FILE
-from imba.training.config import Config, ConfigError, flat_settings, load_config, written
+from imba.training.config import KIND_SETTINGS, Config, ConfigError, flat_settings, load_config, written
 
 # pattern -> what a change does to the resumed run
 SAFE: dict[str, str] = {
@@ -70,10 +70,12 @@ def _judge(key: str, old, new) -> tuple[bool, str]:
 def compare_settings(saved: Config, now: Config) -> tuple[list[str], list[str]]:
     """(the refused changes, the allowed ones), each 'key old -> new (why)', in the config's order."""
     before, after = flat_settings(saved), flat_settings(now)
+    # a kind setting whose kind changed is named by its kind alone: its other settings belong to the other kind
+    switched = [f"{key}." for key in KIND_SETTINGS if before.get(f"{key}.kind") != after.get(f"{key}.kind")]
     refused, allowed = [], []
     for key, new in after.items():
         old = before.get(key)
-        if old == new:
+        if old == new or any(key.startswith(owner) and not key.endswith(".kind") for owner in switched):
             continue
         safe, why = _judge(key, old, new)
         (allowed if safe else refused).append(f"{key} {written(old)} -> {written(new)} ({why})")
