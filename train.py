@@ -24,13 +24,13 @@ from data.skips import reader_stats
 from imba.monitor import BucketMonitor
 from imba.objectives import build_objective
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
-from imba.training.checkpoints import (TrainState, newest_intact, register, register_state,
-                                       save_checkpoint)
+from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
 from imba.training.export import export_adapter, export_checkpoint
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
+from imba.training.hooks import Hooks
 from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
 from imba.training.metrics import DrawLog, JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
@@ -96,11 +96,10 @@ def main(argv: list[str]) -> int:
     dit = accelerator.unwrap_model(wrapped)  # the bare DiT (config, EMA, no-grad passes); ZeRO-3: partitioned
     ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)  # ZeRO-3: each rank averages its own slice
     state = TrainState(world_size=accelerator.num_processes, loss=loss_fn)
-    register_state(accelerator, ema, state)
-    # data.balance=imba: sampling weights that follow the IMBA distance; its statistics resume with the run
+    # an online data.balance rule: sampling weights that follow the IMBA distance; its statistics resume with the run
     balancer = online_balancer(cfg, accelerator, sources, dit.config.patch_size, objective.num_train_timesteps)
-    if balancer is not None:
-        register(accelerator, "online_balance", balancer)
+    hooks = Hooks(accelerator, [balancer])  # called beside the step; those with state are checkpointed
+    register_state(accelerator, ema, state, hooks.checkpointed())
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
     global_batch = cfg.global_batch(accelerator.num_processes)  # samples per step
@@ -130,8 +129,8 @@ def main(argv: list[str]) -> int:
         save_config(cfg, run.config)
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
     metrics_log = JsonlLogger(run.metrics, keep_until=state.step) if is_main else None
-    # data.record_draws: the sample indices each rank trains on
-    draws_log = DrawLog(run.draw_log(accelerator.process_index), state.step) if cfg.data.record_draws else None
+    if cfg.data.record_draws:  # the sample indices each rank trains on
+        hooks.add(DrawLog(run.draw_log(accelerator.process_index), state.step))
     window, monitor = MetricWindow(), BucketMonitor()
     validator = Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
@@ -149,16 +148,13 @@ def main(argv: list[str]) -> int:
 
     while state.step < cfg.train.max_steps:
         batch = next(batches)
-        if draws_log is not None:
-            draws_log.add(state.step + 1, batch)
         with accelerator.accumulate(wrapped):
             latents, cond = features.encode_batch(batch, device)
             noised = objective.noise(latents)
             null = features.null_like(latents.shape[0])
             with accelerator.autocast():
                 loss, stats = loss_fn(predict_fn, noised, cond, null)
-                if balancer is not None:  # the rows' IMBA distances (the loss's, or a no-grad pass of a few rows)
-                    balancer.observe(batch["indices"], stats, predict_fn, noised, null)
+                hooks.micro_batch(state.step + 1, batch, stats, predict_fn, noised, null)
             accelerator.backward(loss)  # under DeepSpeed this also steps, unless its overflow check skips
             guard.add_loss(loss)
             skip = False
@@ -179,8 +175,8 @@ def main(argv: list[str]) -> int:
         state.advance(global_batch)
         progress.update(1)
         step, last = state.step, state.step == cfg.train.max_steps
-        if balancer is not None and (refreshed := balancer.step_done(step, accelerator)):
-            accelerator.print(refreshed)  # new weights, in effect a few steps on
+        for line in hooks.step_end(step):  # e.g. the online balance's new weights, in effect a few steps on
+            accelerator.print(line)
         if skip:
             accelerator.print(f"warning: step {step} skipped: non-finite loss or gradient norm "
                               f"({guard.consecutive} in a row, the run stops at {guard.max_bad_steps})")
@@ -218,8 +214,7 @@ def main(argv: list[str]) -> int:
             return DIVERGED_EXIT_CODE
         with throughput.paused():
             if saving:
-                if balancer is not None:
-                    balancer.sync(accelerator)  # every rank's observations since the last refresh, in the checkpoint
+                hooks.before_save()  # e.g. every rank's observations since the last refresh, in the checkpoint
                 save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
             if not last and not preempted and cfg.train.sample_every and step % cfg.train.sample_every == 0:
                 grids.save(dit, ema, step)

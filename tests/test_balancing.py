@@ -90,11 +90,11 @@ def train(b, acc, steps, save_at=None):
         distance = (1 + LEVELS[positions] / 1000) * np.where(idx < RARE_SAMPLES, 3.0, 1.0) * JITTER[positions]
         noised = SimpleNamespace(timesteps=torch.from_numpy(LEVELS[positions]))
         b.observe(idx.tolist(), {"distance_per_token": torch.from_numpy(distance)[:, None]}, None, noised, None)
-        b.step_done(step, acc)
+        b.step_end(step, acc)
         out["read"].append(idx)
         out["weights"].append(b.balance.weights.copy())
         if step == save_at:
-            b.sync(acc)
+            b.before_save(acc)
             out["synced"] = window(b)
             if acc.process_index == 0:  # the main process writes the checkpoint
                 out["state"] = copy.deepcopy(b.state_dict())

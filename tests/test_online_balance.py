@@ -508,7 +508,7 @@ def test_the_balancer_decides_the_stream_ahead_and_resumes_it_from_its_state(tab
             noised = noised_batch(rows, gen)
             noised.target[torch.from_numpy(idx < 5)] *= 3  # rare samples far from the unconditional prediction
             balancer.observe(idx.tolist(), {}, predict, noised, null)
-            balancer.step_done(step, FakeAccelerator())
+            balancer.step_end(step, FakeAccelerator())
 
     a = balancer_for(table, fraction=1.0)
     a.begin(0, 0, rows)

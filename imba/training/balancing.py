@@ -11,7 +11,7 @@ after step s take effect `lag` steps later, at the stream position of step s + l
 is already decided, and `SegmentedOrder.known_until` stops a loader that would read past the decided part.
 
 Checkpoints. The state (running statistics, weights, the segments still ahead of the run and the last window summed
-over the ranks) is the same on every rank (`sync` sums the windows before a save), so a resume on any number of
+over the ranks) is the same on every rank (`before_save` sums the windows), so a resume on any number of
 processes continues the same stream and the same statistics.
 """
 
@@ -37,7 +37,11 @@ def loader_lag(num_workers: int, loader_threads: int, grad_accum: int) -> int:
 
 
 class OnlineBalancer:
-    """The online balance of one run (see the module doc). `order` is the stream the loader draws from."""
+    """The online balance of one run (see the module doc). `order` is the stream the loader draws from. It is a
+    hook of the run (`imba.training.hooks`): it scores each micro-batch, refreshes after a step, sums the ranks'
+    observations before a save, and is checkpointed as `online_balance`."""
+
+    CHECKPOINT = "online_balance"
 
     def __init__(self, balance: OnlineBalance, base_units: np.ndarray, source_starts: np.ndarray,
                  samples_per_epoch: int, seed: int, *, every: int, fraction: float, lag: int, patch_size: int,
@@ -90,7 +94,10 @@ class OnlineBalancer:
         self.pending = []
         self.balance.observe(np.asarray(indices), distance, level)
 
-    def step_done(self, step: int, accelerator) -> str | None:
+    def micro_batch(self, step: int, batch: dict, stats: dict, predict, noised, null) -> None:
+        self.observe(batch["indices"], stats, predict, noised, null)
+
+    def step_end(self, step: int, accelerator) -> str | None:
         """After optimizer step `step`: every `every` steps, refresh the weights (summed over the ranks) and start
         their segment `lag` steps on; a line for the log when it did."""
         if step % self.every:
@@ -104,7 +111,7 @@ class OnlineBalancer:
             self.segments.pop(0)  # a resume from here never reads before the second one's start
         return self.balance.describe()
 
-    def sync(self, accelerator) -> None:
+    def before_save(self, accelerator) -> None:
         """Sum the ranks' windows into the main process's before a checkpoint (the others keep none), so the saved
         state holds every rank's observations."""
         self.flush()

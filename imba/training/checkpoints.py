@@ -152,10 +152,13 @@ def register(accelerator: Accelerator, name: str, obj, per_rank: bool = False) -
     (parts.per_rank if per_rank else parts.shared)[name] = obj
 
 
-def register_state(accelerator: Accelerator, ema, state: TrainState) -> None:
-    """Have the checkpoints carry the EMA (`ema.pt`) and the loop's counters (`train_state.pt`)."""
+def register_state(accelerator: Accelerator, ema, state: TrainState, parts: dict | None = None) -> None:
+    """The run's checkpoint map: have the checkpoints carry the EMA (`ema.pt`), the loop's counters
+    (`train_state.pt`) and `parts`, {name: (object, per rank)} (the hooks' states, `Hooks.checkpointed`)."""
     register(accelerator, "ema", ema)
     register(accelerator, "train_state", state)
+    for name, (obj, per_rank) in (parts or {}).items():
+        register(accelerator, name, obj, per_rank=per_rank)
 
 
 def checkpoint_format(folder: Path) -> int:

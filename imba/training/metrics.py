@@ -79,6 +79,10 @@ class DrawLog:
     def __init__(self, path: Path, keep_until: int) -> None:
         self.log = JsonlLogger(Path(path), keep_until)
 
+    def micro_batch(self, step: int, batch: dict, stats: dict, predict, noised, null) -> None:
+        """A hook (`imba.training.hooks`): each micro-batch's indices."""
+        self.add(step, batch)
+
     def add(self, step: int, batch: dict) -> None:
         if "indices" not in batch:
             raise ConfigError("data.record_draws=true needs indexed reading (remote shards are streamed, and a "

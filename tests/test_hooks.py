@@ -1,0 +1,71 @@
+"""The run's hooks (imba/training/hooks.py): each point calls the hooks that have it, in order; a hook's state joins
+the checkpoint map under its own name; the online balancer and the draw log are hooks."""
+
+import pytest
+
+from imba.training.balancing import OnlineBalancer
+from imba.training.hooks import Hooks
+from imba.training.metrics import DrawLog
+
+
+class Recorder:
+    def __init__(self, name, calls, line=None):
+        self.name, self.calls, self.line = name, calls, line
+
+    def micro_batch(self, step, batch, stats, predict, noised, null):
+        self.calls.append((self.name, "micro_batch", step, batch["i"]))
+
+    def step_end(self, step, accelerator):
+        self.calls.append((self.name, "step_end", step, accelerator))
+        return self.line
+
+
+class Saver:
+    CHECKPOINT = "saver"
+    CHECKPOINT_PER_RANK = True
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def before_save(self, accelerator):
+        self.calls.append(("saver", "before_save", accelerator))
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_each_point_calls_the_hooks_that_have_it_in_order():
+    calls = []
+    hooks = Hooks("acc", [Recorder("a", calls, "a's line"), None, Saver(calls)])
+    hooks.add(Recorder("b", calls))
+    hooks.micro_batch(3, {"i": 7}, {}, None, None, None)
+    assert hooks.step_end(3) == ["a's line"]  # b has no line to print
+    hooks.before_save()
+    assert calls == [("a", "micro_batch", 3, 7), ("b", "micro_batch", 3, 7), ("a", "step_end", 3, "acc"),
+                     ("b", "step_end", 3, "acc"), ("saver", "before_save", "acc")]
+
+
+def test_hooks_with_state_are_the_checkpoint_map_and_a_name_is_taken_once():
+    calls = []
+    saver = Saver(calls)
+    hooks = Hooks("acc", [Recorder("a", calls), saver])
+    assert hooks.checkpointed() == {"saver": (saver, True)}
+    hooks.add(Saver(calls))
+    with pytest.raises(ValueError, match="two hooks name the checkpoint part 'saver'"):
+        hooks.checkpointed()
+    with pytest.raises(TypeError, match="object has none of the hook points"):
+        Hooks("acc", [object()])
+
+
+def test_the_online_balancer_and_the_draw_log_are_hooks(tmp_path):
+    assert OnlineBalancer.CHECKPOINT == "online_balance"
+    for point in ("micro_batch", "step_end", "before_save", "state_dict", "load_state_dict"):
+        assert callable(getattr(OnlineBalancer, point))
+    log = DrawLog(tmp_path / "draws.jsonl", keep_until=0)
+    hooks = Hooks(None, [log])
+    hooks.micro_batch(1, {"indices": [4, 2]}, {}, None, None, None)
+    assert hooks.checkpointed() == {}
+    assert (tmp_path / "draws.jsonl").read_text().strip() == '{"step": 1, "indices": [4, 2]}'
