@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
         val_shards = val_shards and precompute_once(cfg, accelerator, out, val_shards, "val")
     features, manifest = load_features(cfg, all_shards(sources), device)
     dit = build_dit(cfg, features)
-    accelerator.print(f"DiT: {describe(dit)}")
+    accelerator.print(f"DiT: {describe(dit)}; loss: {cfg.loss.describe()}")
     objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
     # under ZeRO-3 every forward pass is a collective: every rank must run the same passes
     loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=zero3,
