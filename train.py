@@ -28,13 +28,12 @@ from imba.training.checkpoints import TrainState, newest_intact, register_state,
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
-from imba.training.export import export_adapter, export_checkpoint
-from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, all_finite, diverged_message, local_weights
+from imba.training.export import export_checkpoint, export_run
+from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_message, local_weights
 from imba.training.hooks import Hooks
 from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
 from imba.training.metrics import DrawLog, JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
-from imba.training.model_card import write_model_card
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
 from imba.training.run_folder import RunFolder
@@ -44,7 +43,7 @@ from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings, predict
 from models.lora import describe
-from models.pipeline import PIPELINES, build_pipeline, export_pipeline
+from models.pipeline import PIPELINES
 
 
 def main(argv: list[str]) -> int:
@@ -136,6 +135,12 @@ def main(argv: list[str]) -> int:
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     throughput = Throughput(global_batch, state.step)
     preemption = PreemptionHandler()  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit for a requeue
+
+    def finish(exit_code: int) -> int:
+        preemption.restore()  # leave the caller's signal handlers as they were (train.main may run in-process)
+        accelerator.end_training()
+        return exit_code
+
     # a non-finite loss or gradient norm skips the step on every rank; fp16: the GradScaler judges the gradients
     guard = DivergenceGuard(accelerator, cfg.train.max_bad_steps, check_grad_norm=accelerator.scaler is None)
     config_text = dump_config(cfg)  # stored in every checkpoint
@@ -202,16 +207,9 @@ def main(argv: list[str]) -> int:
         # no periodic checkpoint of a skipped step: the run may be diverging, and rotation would drop good ones
         periodic = cfg.train.save_every and step % cfg.train.save_every == 0 and not skip
         saving = preempted or last or periodic
-        diverged = None
-        if guard.diverged:
-            diverged = f"{guard.consecutive} consecutive steps with a non-finite loss or gradient norm"
-        elif saving and not all_finite(accelerator, local_weights(dit, ema)):
-            diverged = "the weights or their EMA are not finite"  # never checkpoint them, nor rotate good ones out
-        if diverged:
+        if diverged := guard.divergence(saving, local_weights(dit, ema)):  # nothing of it is saved
             accelerator.print(f"error: {diverged_message(diverged, step, newest_intact(checkpoint_root))}")
-            preemption.restore()
-            accelerator.end_training()
-            return DIVERGED_EXIT_CODE
+            return finish(DIVERGED_EXIT_CODE)
         with throughput.paused():
             if saving:
                 hooks.before_save()  # e.g. every rank's observations since the last refresh, in the checkpoint
@@ -221,29 +219,21 @@ def main(argv: list[str]) -> int:
         if preempted:
             accelerator.print(f"pre-empted: checkpoint at step {step} saved; exiting with {REQUEUE_EXIT_CODE} "
                               "so the job is requeued (it resumes from the latest checkpoint)")
-            preemption.restore()
-            accelerator.end_training()
-            return REQUEUE_EXIT_CODE
+            return finish(REQUEUE_EXIT_CODE)
     progress.close()
 
     print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(dit)}"
           + (f"; data: {data_stats.summary()}" if data_stats is not None else ""))
 
-    # ---- last grid, export: EMA weights + frozen parts as a stock diffusers pipeline folder ------------------
-    export_dir = run.export
+    # ---- last grid, export: EMA weights + frozen parts as a stock diffusers pipeline folder, its model card ------
     ema_model = grids.save(dit, ema, state.step)  # a clean instance: no compile/checkpointing state
     if is_main:
-        export_pipeline(build_pipeline(transformer=ema_model, **grids.pipeline_parts()), export_dir)
-        export_adapter(export_dir, dit, ema, cfg)  # model.lora_rank: the adapters alone, in lora/
-        write_model_card(export_dir, cfg, state.step, accelerator.num_processes,
-                         grid=run.sample_grid(state.step))  # the Hub's model page
+        export_run(run, cfg, ema_model, grids.pipeline_parts(), dit, ema, state.step, accelerator.num_processes)
         print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
               f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
-              f"({PIPELINES[grids.pipeline].__name__}.from_pretrained('{export_dir}'))")
+              f"({PIPELINES[grids.pipeline].__name__}.from_pretrained('{run.export}'))")
     accelerator.wait_for_everyone()
-    preemption.restore()  # leave the caller's signal handlers as they were (train.main may run in-process)
-    accelerator.end_training()
-    return 0
+    return finish(0)
 
 
 if __name__ == "__main__":

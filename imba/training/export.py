@@ -67,6 +67,15 @@ def export_adapter(export_dir: Path, model, ema, cfg: Config) -> Path | None:
                         weights=ema.shadow_params, base=m.pretrained or "")
 
 
+def export_run(run: RunFolder, cfg: Config, ema_model, pipeline_parts: dict, dit, ema, step: int,
+               processes: int) -> None:
+    """The end of a run, on the main process: the EMA weights with the frozen parts as a stock diffusers pipeline
+    folder in the run's export/, the LoRA adapters alone (model.lora_rank), and its model card."""
+    export_pipeline(build_pipeline(transformer=ema_model, **pipeline_parts), run.export)
+    export_adapter(run.export, dit, ema, cfg)  # model.lora_rank: the adapters alone, in lora/
+    write_model_card(run.export, cfg, step, processes, grid=run.sample_grid(step))  # the Hub's model page
+
+
 def export_checkpoint_once(checkpoint: Path) -> Path:
     """`default_export_dir(checkpoint)`, exported unless a complete export is already there.
 

@@ -49,6 +49,16 @@ class DivergenceGuard:
     def diverged(self) -> bool:
         return self.consecutive >= self.max_bad_steps
 
+    def divergence(self, saving: bool, weights: Iterable[torch.Tensor]) -> str | None:
+        """Why the run must stop now, or None: too many bad steps in a row, or, before a checkpoint (`saving`),
+        weights that are not finite on some rank (never checkpoint them, nor rotate good ones out). A collective
+        when saving: every rank calls it."""
+        if self.diverged:
+            return f"{self.consecutive} consecutive steps with a non-finite loss or gradient norm"
+        if saving and not all_finite(self.accelerator, weights):
+            return "the weights or their EMA are not finite"
+        return None
+
 
 def all_finite(accelerator: Accelerator, tensors: Iterable[torch.Tensor]) -> bool:
     """True on every rank iff every rank's `tensors` are finite (under ZeRO-3 pass each rank's own slices)."""
