@@ -85,8 +85,8 @@ from imba.loss_settings import LOSS_SETTINGS, LossConfig, PlainLoss  # noqa: E40
 from imba.objectives import OBJECTIVES  # noqa: E402
 
 # A variant is data (`Variant`): the loss (the trainer's `loss` section, imba.loss_settings: its kind and that
-# kind's settings: reference, normalize, estimator, ...), the objective (flow or ddpm, ε), the stream: which objects are drawn
-# (composition_scenes.STREAMS), or, in fixed-scene mode, which scenes, in proportion to a factor per scene from its
+# kind's settings: reference, normalize, estimator, ...), the objective (flow or ddpm, ε), the stream: which
+# objects are drawn (composition_scenes.STREAMS), or, in fixed-scene mode, which scenes, in proportion to a factor per scene from its
 # caption alone, without the pair labels (WEIGHTED_STREAMS: "caption" = data.balance temperature with exponent
 # `alpha`, what a user of the data layer gets with data.balance=temperature; "imba_online" = the weights of
 # data.online_balance.OnlineBalance, set from the model's own IMBA distance per caption entry); reweight: plain MSE

@@ -57,7 +57,8 @@ def kind_branches(source: str, module: str) -> list[str]:
 
 
 def modules() -> list[Path]:
-    return [REPO / "train.py", *sorted(p for folder in ("imba", "data", "models") for p in (REPO / folder).rglob("*.py"))]
+    return [REPO / "train.py",
+            *sorted(p for folder in ("imba", "data", "models") for p in (REPO / folder).rglob("*.py"))]
 
 
 def test_no_module_branches_on_a_kind_it_does_not_define():

@@ -51,7 +51,8 @@ def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly(
     assert LOSS_SETTINGS["imba_sample"]().describe().startswith("IMBA (sample level): γ = 0.8")
     assert LOSS_SETTINGS["imba"]().describe().startswith("IMBA (token level)")
     assert LOSS_SETTINGS["plain"]().describe() == "plain diffusion MSE with caption dropout 0.1"
-    assert load_config(["loss=plain", "loss.lam=0.75"]).loss.describe() == "plain diffusion MSE with caption dropout 0.25"
+    assert load_config(["loss=plain", "loss.lam=0.75"]).loss.describe() == \
+        "plain diffusion MSE with caption dropout 0.25"
     assert DataConfig().balance.describe() == ""
     assert load_config(["data.balance=cap", "data.balance.cap=7"]).data.balance.describe() == \
         "balanced by concepts (cap 7)"

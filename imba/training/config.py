@@ -12,6 +12,12 @@ speed; `data/settings.py`: data; `imba/loss_settings.py`: loss; `imba/objective_
 training loop's optim, sample and train) and carries its own choices, ranges and checks, as `models/settings.py`
 describes. This module reads them generically: types from the fields, `CHOICES` as each value is read, then every
 section's `RANGES` and each `check()`.
+
+Kind settings: `loss` and `data.balance` take one of several kinds, each a dataclass of the settings that kind reads
+(`imba.loss_settings.LOSS_SETTINGS`, `data.settings.BALANCE_RULES`): `loss=imba loss.gamma=0.5` on the command line,
+`loss: {kind: imba, gamma: 0.5}` in a file. The kind is read first and another kind starts from its own defaults;
+a setting the kind does not read is refused. The command line's overrides are read as one mapping (the later of
+two values of a key wins), so a kind and its settings come in any order. A dumped config writes `kind` first.
 """
 
 from __future__ import annotations
@@ -236,7 +242,7 @@ def _apply(cfg, updates: dict, prefix: str = "") -> None:
             hint = f"did you mean {prefix}{close[0]}?" if close else f"valid: {', '.join(names)}"
             if hasattr(cfg, "KIND"):  # a setting the chosen kind does not read is refused, not ignored
                 reads = f"reads {', '.join(names)}" if names else "reads no settings"
-                hint = f"{prefix[:-1]} kind {cfg.KIND} {reads}" + (f"; did you mean {prefix}{close[0]}?" if close else "")
+                hint = f"{prefix[:-1]} kind {cfg.KIND} {reads}" + (f"; {hint}" if close else "")
             raise ConfigError(f"unknown config key {key!r} ({hint})")
         current = getattr(cfg, name)
         if name in kinds:

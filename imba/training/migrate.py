@@ -24,7 +24,9 @@ DROPPED: dict[str, str] = {}  # dotted key → why it went, e.g. "no longer used
 # a section that became a kind setting: the keys every config written before held in it, for every kind. A section
 # holding all of them is such a config, and the keys its kind does not read are dropped, as they went unread; in any
 # other config they are refused
-FLAT_SECTIONS: dict[str, tuple[str, ...]] = {"loss": ("gamma", "lam", "distance", "reference", "normalize", "estimator")}
+FLAT_SECTIONS: dict[str, tuple[str, ...]] = {
+    "loss": ("gamma", "lam", "distance", "reference", "normalize", "estimator"),
+}
 NESTED: dict[str, dict[str, str]] = {
     "data.balance": {"data.balance_alpha": "alpha", "data.balance_cap": "cap", "data.balance_every": "every",
                      "data.balance_fraction": "fraction", "data.balance_groups": "groups",
