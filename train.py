@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from data.skips import reader_stats
 from imba.monitor import BucketMonitor
-from imba.objectives import build_objective
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
@@ -83,7 +82,7 @@ def main(argv: list[str]) -> int:
     features, manifest = load_features(cfg, all_shards(sources), device)
     dit = build_dit(cfg, features)
     accelerator.print(f"DiT: {describe(dit)}; loss: {cfg.loss.describe()}")
-    objective = build_objective(cfg.objective.kind, **cfg.objective.kwargs())
+    objective = cfg.objective.build()
     # under ZeRO-3 every forward pass is a collective: every rank must run the same passes
     loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=zero3,
                                   num_processes=accelerator.num_processes)

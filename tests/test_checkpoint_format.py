@@ -247,8 +247,10 @@ def test_a_checkpoint_whose_config_names_renamed_and_dropped_keys_exports_and_re
         export_checkpoint(old, tmp_path / "unmigrated")
     monkeypatch.setattr(migrate, "RENAMED", {"optim.ema_rate": "optim.ema_decay"})  # as if this version renamed it
     monkeypatch.setattr(migrate, "DROPPED", {"loss.old_knob": "no longer used"})
-    line = (f"config of {old / 'config.yaml'}: optim.ema_rate renamed to optim.ema_decay; loss.old_knob dropped "
-            "(no longer used)")
+    # its one line names the renamed and dropped keys, after the other kinds' settings the file holds
+    said = (f"config of {old / 'config.yaml'}: objective.beta_schedule, objective.beta_start, objective.beta_end "
+            "dropped (not read by objective kind flow)")
+    line = f"{said}; optim.ema_rate renamed to optim.ema_decay; loss.old_knob dropped (no longer used)"
     capsys.readouterr()
     assert (export_checkpoint(old, tmp_path / "export") / "model_index.json").is_file()
     assert line in capsys.readouterr().out.splitlines()

@@ -229,10 +229,10 @@ BAD_VALUES = [
     ("model.preset=huge", "'model.preset' must be one of micro, tiny, small, base, 1b, got 'huge'"),
     ("objective.shift=0", "'objective.shift' must be > 0"),
     ("objective.logit_std=-1", "'objective.logit_std' must be > 0"),
-    ("objective.beta_start=0", "'objective.beta_start' must be in (0, 1)"),
-    ("objective.beta_end=1", "'objective.beta_end' must be in (0, 1)"),
-    ("objective.beta_start=0.5", "'objective.beta_start' (0.5) must not exceed objective.beta_end (0.02)"),
-    ("objective.beta_schedule=sigmoid", "'objective.beta_schedule' must be a schedule"),
+    ("objective=ddpm objective.beta_start=0", "'objective.beta_start' must be in (0, 1)"),
+    ("objective=ddpm objective.beta_end=1", "'objective.beta_end' must be in (0, 1)"),
+    ("objective=ddpm objective.beta_start=0.5", "'objective.beta_start' (0.5) must not exceed objective.beta_end (0.02)"),
+    ("objective=ddpm objective.beta_schedule=sigmoid", "'objective.beta_schedule' must be a schedule"),
     ("data.num_workers=-1", "'data.num_workers' must be >= 0"),
     ("data.shuffle_buffer=-1", "'data.shuffle_buffer' must be >= 0"),
     ("data.synthetic_samples=0", "'data.synthetic_samples' must be >= 1"),
@@ -250,7 +250,7 @@ BAD_VALUES = [
 @pytest.mark.parametrize("override,message", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
 def test_out_of_range_values_give_one_line(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config([override])
+        load_config(override.split(" "))  # a kind's setting after its kind
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

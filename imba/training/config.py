@@ -13,8 +13,9 @@ training loop's optim, sample and train) and carries its own choices, ranges and
 describes. This module reads them generically: types from the fields, `CHOICES` as each value is read, then every
 section's `RANGES` and each `check()`.
 
-Kind settings: `loss` and `data.balance` take one of several kinds, each a dataclass of the settings that kind reads
-(`imba.loss_settings.LOSS_SETTINGS`, `data.settings.BALANCE_RULES`): `loss=imba loss.gamma=0.5` on the command line,
+Kind settings: `loss`, `objective` and `data.balance` take one of several kinds, each a dataclass of the settings
+that kind reads (`imba.loss_settings.LOSS_SETTINGS`, `imba.objective_settings.OBJECTIVE_SETTINGS`,
+`data.settings.BALANCE_RULES`): `loss=imba loss.gamma=0.5` on the command line,
 `loss: {kind: imba, gamma: 0.5}` in a file. The kind is read first and another kind starts from its own defaults;
 a setting the kind does not read is refused. The command line's overrides are read as one mapping (the later of
 two values of a key wins), so a kind and its settings come in any order. A dumped config writes `kind` first.
@@ -36,8 +37,7 @@ import yaml
 
 from data.settings import DataConfig
 from imba.loss_settings import LOSS_SETTINGS, LossConfig, PlainLoss
-from imba.objectives import OBJECTIVES
-from imba.objective_settings import ObjectiveConfig
+from imba.objective_settings import OBJECTIVE_SETTINGS, FlowObjective, ObjectiveConfig
 from imba.training.migrate import migrate_config
 from models.settings import ModelConfig, SpeedConfig
 
@@ -150,13 +150,13 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=PlainLoss)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: ObjectiveConfig = field(default_factory=FlowObjective)
     optim: OptimConfig = field(default_factory=OptimConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    KINDS: ClassVar[dict] = {"loss": LOSS_SETTINGS}  # sections whose `kind` picks their dataclass
+    KINDS: ClassVar[dict] = {"loss": LOSS_SETTINGS, "objective": OBJECTIVE_SETTINGS}  # sections of kinds
 
     def global_batch(self, processes: int) -> int:
         """Samples per optimizer step over all processes: per process × accumulation steps × processes."""
@@ -462,9 +462,9 @@ def _validate(cfg: Config) -> None:
             except ValueError as err:
                 raise ConfigError(str(err)) from err
     # across sections
-    if cfg.loss.min_snr_gamma and not OBJECTIVES[cfg.objective.kind].predicts_epsilon:
+    if cfg.loss.min_snr_gamma and not cfg.objective.predicts_epsilon:
         raise ConfigError(f"loss.min_snr_gamma weights ε-prediction (objective.kind=ddpm), not "
-                          f"objective.kind={cfg.objective.kind}: a flow objective weights its timesteps by how it "
+                          f"objective.kind={cfg.objective.KIND}: a flow objective weights its timesteps by how it "
                           "samples them (objective.logit_mean, logit_std, shift)")
 
 

@@ -17,7 +17,6 @@ import os
 import shutil
 from pathlib import Path
 
-from imba.objectives import build_objective
 from imba.training.build import build_dit, load_encoders, pipeline_kind
 from imba.training.checkpoints import CONFIG_FILE, checkpoint_format, load_ema_state, require_intact
 from imba.training.config import Config, ConfigError, load_config
@@ -48,7 +47,7 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksum
     if any(s.shape != p.shape for s, p in zip(ema.shadow_params, transformer.parameters())):
         raise ConfigError(f"the EMA in {checkpoint} does not match the model its {CONFIG_FILE} describes")
     export_dir = Path(export_dir or default_export_dir(checkpoint))
-    scheduler = build_objective(cfg.objective.kind, **cfg.objective.kwargs()).sampling_scheduler()
+    scheduler = cfg.objective.build().sampling_scheduler()
     export_pipeline(build_pipeline(ema_weights_copy(transformer, ema), scheduler=scheduler,
                                    pipeline=pipeline_kind(cfg), **encoders.pipeline_parts()), export_dir)
     export_adapter(export_dir, transformer, ema, cfg)

@@ -26,6 +26,7 @@ DROPPED: dict[str, str] = {}  # dotted key → why it went, e.g. "no longer used
 # other config they are refused
 FLAT_SECTIONS: dict[str, tuple[str, ...]] = {
     "loss": ("gamma", "lam", "distance", "reference", "normalize", "estimator"),
+    "objective": ("logit_mean", "logit_std", "shift", "beta_schedule", "beta_start", "beta_end"),
 }
 NESTED: dict[str, dict[str, str]] = {
     "data.balance": {"data.balance_alpha": "alpha", "data.balance_cap": "cap", "data.balance_every": "every",
@@ -156,8 +157,9 @@ def kind_registry(key: str) -> dict[str, type]:
     """The kinds of the kind setting `key` ("loss", "data.balance"), by name."""
     from data.settings import BALANCE_RULES
     from imba.loss_settings import LOSS_SETTINGS
+    from imba.objective_settings import OBJECTIVE_SETTINGS
 
-    return {"loss": LOSS_SETTINGS, "data.balance": BALANCE_RULES}[key]
+    return {"loss": LOSS_SETTINGS, "objective": OBJECTIVE_SETTINGS, "data.balance": BALANCE_RULES}[key]
 
 
 def _print_once(line: str) -> None:

@@ -17,7 +17,6 @@ from imba.training.config import Config
 from models.pipeline import PIPELINES, pipeline_kind_of
 
 CARD_FILE = "README.md"
-OBJECTIVES = {"flow": "rectified flow (velocity prediction)", "ddpm": "DDPM ε-prediction"}
 GRID_FILE = "samples.png"
 DEFAULT_PIPELINE = "PixArtAlphaPipeline"
 
@@ -83,7 +82,7 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
         ("steps", str(step)),
         ("batch", batch),
         ("loss", cfg.loss.describe()),
-        ("objective", OBJECTIVES.get(cfg.objective.kind, cfg.objective.kind)),
+        ("objective", cfg.objective.describe()),
         ("optimiser", f"AdamW, lr {cfg.optim.lr:g}, {cfg.optim.warmup_steps} warm-up steps, weight decay "
                       f"{cfg.optim.weight_decay:g}; these weights are the EMA (decay {cfg.optim.ema_decay:g})"),
         ("text encoder", f"{_part(cfg.model.text_encoder)}, {cfg.model.max_text_tokens} tokens"),
