@@ -13,7 +13,7 @@ class Recorder:
         self.name, self.calls, self.line = name, calls, line
 
     def micro_batch(self, step, batch, stats, predict, noised, null):
-        self.calls.append((self.name, "micro_batch", step, batch["i"]))
+        self.calls.append((self.name, "micro_batch", step, batch["i"], stats, predict, noised, null))
 
     def step_end(self, step, accelerator):
         self.calls.append((self.name, "step_end", step, accelerator))
@@ -41,22 +41,24 @@ def test_each_point_calls_the_hooks_that_have_it_in_order():
     calls = []
     hooks = Hooks("acc", [Recorder("a", calls, "a's line"), None, Saver(calls)])
     hooks.add(Recorder("b", calls))
-    hooks.micro_batch(3, {"i": 7}, {}, None, None, None)
+    hooks.micro_batch(3, {"i": 7}, {"loss": 1}, "predict", "noised", "null")
     assert hooks.step_end(3) == ["a's line"]  # b has no line to print
     hooks.before_save()
-    assert calls == [("a", "micro_batch", 3, 7), ("b", "micro_batch", 3, 7), ("a", "step_end", 3, "acc"),
+    seen = (3, 7, {"loss": 1}, "predict", "noised", "null")  # each hook gets every argument, in place
+    assert calls == [("a", "micro_batch", *seen), ("b", "micro_batch", *seen), ("a", "step_end", 3, "acc"),
                      ("b", "step_end", 3, "acc"), ("saver", "before_save", "acc")]
 
 
 def test_hooks_with_state_are_the_checkpoint_map_and_a_name_is_taken_once():
     calls = []
     saver = Saver(calls)
-    hooks = Hooks("acc", [Recorder("a", calls), saver])
-    assert hooks.checkpointed() == {"saver": (saver, True)}
+    shared = type("Shared", (), {"CHECKPOINT": "shared", "before_save": lambda self, accelerator: None})()
+    hooks = Hooks("acc", [Recorder("a", calls), saver, shared])
+    assert hooks.checkpointed() == {"saver": (saver, True), "shared": (shared, False)}  # rank-equal unless it says
     hooks.add(Saver(calls))
     with pytest.raises(ValueError, match="two hooks name the checkpoint part 'saver'"):
         hooks.checkpointed()
-    with pytest.raises(TypeError, match="object has none of the hook points"):
+    with pytest.raises(TypeError, match="object has none of the hook points micro_batch, step_end, before_save"):
         Hooks("acc", [object()])
 
 
