@@ -47,6 +47,7 @@ def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly(
     from data.balance import BalanceRule
     from data.settings import DataConfig
     from imba.loss_settings import LOSS_SETTINGS, LossConfig
+    from imba.objective_settings import OBJECTIVE_SETTINGS, ObjectiveConfig
 
     assert LOSS_SETTINGS["imba_sample"]().describe().startswith("IMBA (sample level): γ = 0.8")
     assert LOSS_SETTINGS["imba"]().describe().startswith("IMBA (token level)")
@@ -62,5 +63,9 @@ def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly(
     # a kind added to the choices but not to the describing line: an error, not another kind's words
     with pytest.raises(NotImplementedError):  # a kind registered without its line
         type("NewLoss", (LossConfig,), {"KIND": "imba_new"})().describe()
+    assert [kind().describe() for kind in OBJECTIVE_SETTINGS.values()] == ["rectified flow (velocity prediction)",
+                                                                          "DDPM ε-prediction"]
+    with pytest.raises(NotImplementedError):
+        type("NewObjective", (ObjectiveConfig,), {"KIND": "edm"})().describe()
     with pytest.raises(NotImplementedError):  # a rule registered without its line
         type("NewRule", (BalanceRule,), {"KIND": "new_rule"})().describe()
