@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from diffusers import PixArtTransformer2DModel
@@ -17,8 +16,7 @@ from safetensors.torch import load_file
 import train
 from imba.training import checkpoints, migrate
 from imba.training.checkpoints import TrainState, load_checkpoint, load_ema_state, register, register_state
-from data.balance import TemperatureBalance
-from imba.training.config import ConfigError, as_data, load_config, save_config
+from imba.training.config import ConfigError
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint
 from imba.training.integrity import file_digest
@@ -173,55 +171,6 @@ def test_a_checkpoint_of_a_newer_format_is_a_one_line_error(run):
         assert str(raised.value) == (f"{checkpoint} is a checkpoint of format 3, which this version of the code "
                                      "cannot read (it reads formats 1 to 2): use the version that wrote it, or a "
                                      "newer one")
-
-
-def test_migration_moves_renamed_keys_and_drops_dropped_ones_in_one_line():
-    lines = []
-    saved = {"data": {"foo": 3, "resolution": 32}, "loss": {"old": True, "kind": "imba"}, "optim": {"a": 1, "b": 2}}
-    migrated = migrate.migrate_config(saved, "run/config.yaml", renamed={"data.foo": "data.bar", "optim.a": "optim.b"},
-                                      dropped={"loss.old": "no longer used", "loss.never": "absent"}, log=lines.append)
-    assert migrated == {"data": {"bar": 3, "resolution": 32}, "loss": {"kind": "imba"}, "optim": {"b": 2}}
-    assert saved["data"] == {"foo": 3, "resolution": 32}  # the caller's mapping is left as it was
-    assert lines == ["config of run/config.yaml: data.foo renamed to data.bar; optim.a dropped (optim.b, its new "
-                     "name, is set too); loss.old dropped (no longer used)"]
-    lines.clear()
-    assert migrate.migrate_config(migrated, "x", renamed={"data.foo": "data.bar"}, log=lines.append) == migrated
-    assert lines == []  # nothing to migrate: nothing said
-
-
-# data.balance and its flat settings as every config.yaml written before data.balance became a kind setting holds them
-FLAT_BALANCE = {"balance_alpha": 0.7, "balance_cap": 0, "balance_every": 50, "balance_fraction": 0.25,
-                "balance_groups": 3, "balance_max": 2.0, "balance_rate": 4.0}
-
-
-@pytest.mark.parametrize("kind,nested,unread", [
-    ("none", {"kind": "none"}, list(FLAT_BALANCE)),
-    ("temperature", {"kind": "temperature", "alpha": 0.7}, [k for k in FLAT_BALANCE if k != "balance_alpha"]),
-    ("imba", {"kind": "imba", "alpha": 0.7, "every": 50, "fraction": 0.25, "groups": 3, "max_factor": 2.0,
-              "rate": 4.0}, ["balance_cap"]),
-])
-def test_flat_balance_settings_become_the_kind_setting_in_one_line(kind, nested, unread, tmp_path, capsys):
-    old = tmp_path / "config.yaml"
-    old.write_text(yaml.safe_dump({"data": {"resolution": 32, "balance": kind, **FLAT_BALANCE}}))
-    cfg = load_config(["--config", str(old)])
-    assert as_data(cfg.data.balance) == nested
-    said = capsys.readouterr().out.splitlines()
-    assert len(said) == 1 and said[0].startswith(f"config of {old}: ")
-    assert (f"dropped (not read by data.balance kind {kind})" in said[0]) == bool(unread)
-    assert all(f"data.{key}" in said[0] for key in unread)
-    # the config it writes is read back as it is, with nothing to say
-    again = tmp_path / "again.yaml"
-    save_config(cfg, again)
-    assert load_config(["--config", str(again)]) == cfg and capsys.readouterr().out == ""
-
-
-def test_flat_balance_overrides_are_read_as_the_kind_setting_they_became(capsys):
-    cfg = load_config(["data.balance_alpha=0.25", "data.balance=temperature"])
-    assert cfg.data.balance == TemperatureBalance(0.25)
-    assert capsys.readouterr().out == ("config of the command line: data.balance_alpha became data.balance: "
-                                       "{kind: temperature, alpha: 0.25}\n")
-    with pytest.raises(ConfigError, match="'data.balance.every' \\(data.balance kind temperature reads alpha\\)"):
-        load_config(["--config", "configs/mix.yaml", "data.balance_every=5"])  # its kind comes from the file
 
 
 def with_old_keys(golden: Path, copy: Path) -> Path:
