@@ -61,7 +61,8 @@ def test_a_killed_balanced_mix_resumes_to_the_uninterrupted_parameters(sources, 
     if balance == OFFLINE:
         assert "balanced by concepts" in full
     else:  # refreshed before the kill, on a stream that starts at the temperature prior, not the natural one
-        assert "data: balanced online by the IMBA distance: the temperature prior (alpha 0.5)" in full
+        assert ("data: balanced online by the IMBA distance (the temperature prior, alpha 0.5, 4 rarity groups each "
+                "moved within 4x of it, every 1 steps) over") in full
         assert "online balance: 2 refreshes; draws x prior" in full, full
 
     out = tmp_path / "killed"
