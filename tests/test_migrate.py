@@ -76,3 +76,37 @@ def test_an_old_complete_section_drops_the_keys_its_kind_does_not_read_and_keeps
     assert unknown["loss"]["kind"] == "focal" and len(lines) == 1  # the config's own check names the wrong kind
     with pytest.raises(ConfigError, match="'objective.shift' \\(objective kind ddpm reads"):
         load_config(["objective=ddpm", "objective.shift=2"])
+
+
+def test_flat_keys_join_a_nested_setting_and_a_wrong_kind_is_left_to_the_config(capsys):
+    lines = []
+    both = {"data": {"balance": {"kind": "imba", "every": 5, "rate": 3.0}, "balance_rate": 2.0,
+                     "balance_groups": 6}}
+    migrated = migrate.migrate_config(both, "x", log=lines.append)
+    assert migrated["data"]["balance"] == {"kind": "imba", "every": 5, "rate": 3.0, "groups": 6}  # its own rate read
+    assert lines == ["config of x: data.balance_groups became data.balance: {kind: imba, every: 5, rate: 3.0, "
+                     "groups: 6}"]
+    wrong = migrate.migrate_config({"data": {"balance": "inverse", "balance_alpha": 1, "balance_cap": 3}}, "x",
+                                   log=lines.append)
+    assert wrong["data"]["balance"] == {"kind": "inverse", "alpha": 1, "cap": 3}  # nothing dropped for it
+    with pytest.raises(ConfigError, match="'data.balance' must be one of none, temperature, cap, imba"):
+        load_config(["data.balance=inverse", "data.balance_alpha=1"])
+    none = migrate.migrate_config({"data": {"balance": "none", "balance_alpha": 1, "balance_cap": 3}}, "y",
+                                  log=lines.append)
+    assert none["data"]["balance"] == {"kind": "none"}
+    assert lines[-1] == "config of y: data.balance_alpha, data.balance_cap dropped (not read by data.balance kind none)"
+
+
+def test_renames_reach_sections_the_file_lacks_and_each_table_is_read_whole(monkeypatch, capsys):
+    lines = []
+    moved = migrate.migrate_config({"data": {"foo": 1}}, "x", renamed={"data.gone": "data.x", "data.foo": "extra.bar"},
+                                   dropped={}, log=lines.append)
+    assert moved == {"data": {}, "extra": {"bar": 1}} and lines == ["config of x: data.foo renamed to extra.bar"]
+    flat = {"data": {"balance_alpha": 1}}
+    assert migrate.migrate_config(flat, "x", renamed={}, dropped={}, nested={}, log=lines.append) == flat
+    monkeypatch.setenv("RANK", "1")  # every process reads the config; one of them says what changed
+    migrate.migrate_config({"data": {"foo": 1}}, "x", renamed={"data.foo": "data.bar"})
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    migrate.migrate_config({"data": {"foo": 1}}, "x", renamed={"data.foo": "data.bar"})
+    assert capsys.readouterr().out == "config of x: data.foo renamed to data.bar\n"

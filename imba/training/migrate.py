@@ -77,8 +77,8 @@ def _drop_unread(tree: dict, key: str, keys: tuple[str, ...], registry: dict[str
     section = tree.get(key)
     if not isinstance(section, dict) or not all(k in section for k in keys):
         return []
-    kind = getattr(section.get("kind"), "text", section.get("kind"))
-    if not isinstance(kind, str) or kind not in registry:
+    kind = section.get("kind")
+    if not isinstance(kind, str) or kind not in registry:  # the config's own check names the wrong kind
         return []
     reads = {f.name for f in dataclasses.fields(registry[kind])}
     others = {f.name for rule in registry.values() for f in dataclasses.fields(rule)}  # an unknown key is refused
@@ -101,7 +101,6 @@ def _nest(tree: dict, key: str, flat: dict[str, str], registry: dict[str, type])
     _, base = _pop(tree, key)
     nested = dict(base) if isinstance(base, dict) else ({} if base is None else {"kind": base})
     kind = nested.get("kind")
-    kind = getattr(kind, "text", kind)  # a YAML scalar as it was written
     known = isinstance(kind, str) and kind in registry  # else the config's own check names the wrong kind
     reads = {f.name for f in dataclasses.fields(registry[kind])} if known else None
     moved, unread = [], []
