@@ -14,7 +14,7 @@ import pytest
 from imba.training.checkpoints import CONFIG_FILE
 from data.settings import BALANCE_RULES
 from imba.loss_settings import LOSS_SETTINGS
-from imba.training.config import Config, ConfigError, dump_config, flat_dict, load_config
+from imba.training.config import ConfigError, dump_config, flat_dict, load_config
 from imba.training.setting_changes import BREAKING, SAFE, check_resumed_settings, compare_settings
 from tests.test_checkpoints import TinyRun
 

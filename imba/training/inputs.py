@@ -28,7 +28,6 @@ from data.skips import NoUsableSamples, too_small_advice
 from data.urls import expand_urls, is_remote
 from data.sources import Source, SourceMix, check_same_kind, resolve_sources
 from data.synthetic import write_synthetic_shards
-from data.online_balance import OnlineBalance
 from data.weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
 from imba.training.balancing import OnlineBalancer, loader_lag
 from imba.training.config import Config, ConfigError
