@@ -21,7 +21,6 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from data.skips import reader_stats
-from imba.monitor import BucketMonitor
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
@@ -32,7 +31,8 @@ from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_me
 from imba.training.hooks import Hooks
 from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
-from imba.training.metrics import DrawLog, JsonlLogger, MetricWindow, Throughput, reduce_over_ranks
+from imba.training.metrics import (ConceptBuckets, DrawLog, JsonlLogger, MetricWindow, Throughput,
+                                   reduce_over_ranks)
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
 from imba.training.run_folder import RunFolder
@@ -129,7 +129,8 @@ def main(argv: list[str]) -> int:
     metrics_log = JsonlLogger(run.metrics, keep_until=state.step) if is_main else None
     if cfg.data.record_draws:  # the sample indices each rank trains on
         hooks.add(DrawLog(run.draw_log(accelerator.process_index), state.step))
-    window, monitor = MetricWindow(), BucketMonitor()
+    window, monitor = MetricWindow(), ConceptBuckets(bucketer)  # the IMBA monitor per concept bucket
+    hooks.add(monitor)
     validator = Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None
     progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
     throughput = Throughput(global_batch, state.step)
@@ -171,8 +172,6 @@ def main(argv: list[str]) -> int:
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         window.add(stats)
-        if bucketer is not None:
-            monitor.add(bucketer(batch["captions"]), stats)
         if not accelerator.sync_gradients:
             continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
 

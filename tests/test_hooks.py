@@ -1,11 +1,12 @@
 """The run's hooks (imba/training/hooks.py): each point calls the hooks that have it, in order; a hook's state joins
-the checkpoint map under its own name; the online balancer and the draw log are hooks."""
+the checkpoint map under its own name; the online balancer, the draw log and the IMBA monitor are hooks."""
 
 import pytest
+import torch
 
 from imba.training.balancing import OnlineBalancer
 from imba.training.hooks import Hooks
-from imba.training.metrics import DrawLog
+from imba.training.metrics import ConceptBuckets, DrawLog
 
 
 class Recorder:
@@ -71,3 +72,15 @@ def test_the_online_balancer_and_the_draw_log_are_hooks(tmp_path):
     hooks.micro_batch(1, {"indices": [4, 2]}, {}, None, None, None)
     assert hooks.checkpointed() == {}
     assert (tmp_path / "draws.jsonl").read_text().strip() == '{"step": 1, "indices": [4, 2]}'
+
+
+def test_the_imba_monitor_is_a_hook_that_reads_the_batchs_captions():
+    stats = {"distance_per_sample": torch.tensor([1.0, 3.0, 5.0])}
+    monitor = ConceptBuckets(lambda captions: ["tail" if "ring" in c else "head" for c in captions])
+    Hooks(None, [monitor]).micro_batch(1, {"captions": ["a ring", "a red circle", "a cyan ring"]}, stats, None, None,
+                                       None)
+    means = monitor.means()
+    assert means["monitor/distance_tail"] == 3.0 and means["monitor/distance_head"] == 3.0
+    off = ConceptBuckets()  # train.concept_stats=none: nothing is bucketed
+    off.micro_batch(1, {"captions": ["a ring"]}, stats, None, None, None)
+    assert off.means() == {}

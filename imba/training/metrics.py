@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from data.files import atomic_write
+from imba.monitor import BucketMonitor
 from imba.training.config import ConfigError
 
 
@@ -69,6 +70,20 @@ class JsonlLogger:
                                 for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+class ConceptBuckets(BucketMonitor):
+    """The IMBA monitor as a hook (`imba.training.hooks`): each micro-batch's per-sample stats by its captions'
+    concept bucket (`bucketer`: captions → head/torso/tail labels, train.concept_stats); with no bucketer it adds
+    nothing and its means are empty."""
+
+    def __init__(self, bucketer=None) -> None:
+        super().__init__()
+        self.bucketer = bucketer
+
+    def micro_batch(self, step: int, batch: dict, stats: dict, predict, noised, null) -> None:
+        if self.bucketer is not None:
+            self.add(self.bucketer(batch["captions"]), stats)
 
 
 class DrawLog:
