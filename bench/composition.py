@@ -80,9 +80,10 @@ from composition_scenes import (BUCKETS, COLOURS, FAILURES, IMAGES_OF, SHAPES, S
                                 Oracle, PairWorld, ScenePool, TilePool, WordEncoder, bucket_success, judge,
                                 oracle_per_class, pair_name, probe_prompts, train_oracle)
 
-from data.online_balance import FACTOR_ONE  # noqa: E402
+from data.online_balance import FACTOR_ONE, ImbaBalance  # noqa: E402
 from imba.loss_settings import LOSS_SETTINGS, LossConfig, PlainLoss  # noqa: E402
 from imba.objectives import OBJECTIVES  # noqa: E402
+from imba.training.balancing import scored_rows  # noqa: E402
 
 # A variant is data (`Variant`): the loss (the trainer's `loss` section, imba.loss_settings: its kind and that
 # kind's settings: reference, normalize, estimator, ...), the objective (flow or ddpm, ε), the stream: which
@@ -214,8 +215,9 @@ def objective_of(variant: str) -> str:
 
 
 def imba_rows(batch_size: int) -> int:
-    """Rows of each batch the online balance scores with a no-grad unconditional pass: an eighth of the batch."""
-    return max(1, batch_size // 8)
+    """Rows of each batch the online balance scores with a no-grad unconditional pass: the trainer's rule at
+    data.balance's default fraction (an eighth of the batch)."""
+    return scored_rows(ImbaBalance().fraction, batch_size)
 
 
 def relative_cost(variant: str, batch_size: int = 32) -> float:

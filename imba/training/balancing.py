@@ -26,7 +26,13 @@ from data.online_balance import OnlineBalance
 from data.weighted import SegmentedOrder, reweighted_units
 from imba.loss import token_distance
 
-__all__ = ["OnlineBalancer", "loader_lag"]
+__all__ = ["OnlineBalancer", "loader_lag", "scored_rows"]
+
+
+def scored_rows(fraction: float, batch_size: int) -> int:
+    """Rows of a batch of `batch_size` that the plain loss's no-grad unconditional pass scores: the first
+    ceil(fraction × batch), at least one."""
+    return max(1, math.ceil(fraction * batch_size))
 
 
 def loader_lag(num_workers: int, loader_threads: int, grad_accum: int) -> int:
@@ -78,7 +84,7 @@ class OnlineBalancer:
         if per_token is not None:
             rows, distance = len(indices), per_token.float().mean(dim=1)
         else:
-            rows = max(1, math.ceil(self.fraction * len(indices)))
+            rows = scored_rows(self.fraction, len(indices))
             uncond = predict(noised.noisy[:rows], noised.timesteps[:rows], null[0][:rows], null[1][:rows])
             distance = token_distance(noised.target[:rows], uncond, self.patch_size).mean(dim=1)
         self.pending.append((list(indices[:rows]), distance.float(), noised.timesteps[:rows]))
