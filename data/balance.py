@@ -26,6 +26,7 @@ Scale. Extraction runs over chunks of captions in `workers` processes and keeps 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import itertools
@@ -171,26 +172,27 @@ def reduce_over_entries(values: np.ndarray, table: ConceptTable, ufunc: np.ufunc
 
 
 @dataclass
-class BalanceRule:
+class BalanceRule(abc.ABC):
     """A `data.balance` rule: how each sample's balance factor is set from its captions' entries. A rule is one
     registered kind (`data.settings.BALANCE_RULES`); its dataclass fields are its settings, written in a config as
-    `data.balance: {kind: KIND, field: value}`. RANGES bounds its numeric settings as a config section's do."""
+    `data.balance: {kind: KIND, field: value}`. RANGES bounds its numeric settings as a config section's do. A rule
+    without its own `describe` or `factors` cannot be made (TypeError), so none borrows another's line."""
 
     KIND: ClassVar[str] = ""
     CHOICES: ClassVar[dict] = {}
     RANGES: ClassVar[dict] = {}
     ONLINE: ClassVar[bool] = False  # its factors move as the run goes (`plan_rule` is the rule its plan starts from)
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """The rule and its settings in one line, as the start-up log and the model card print it ("" for none)."""
-        raise NotImplementedError
 
     def check(self) -> None:
         """A one-line ValueError for settings that cannot be used together."""
 
+    @abc.abstractmethod
     def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
         """Each sample's balance factor (relative; see the module doc), float64, > 0 for every sample."""
-        raise NotImplementedError
 
     def plan_rule(self) -> "BalanceRule":
         """The rule the run's draw plan is made with (an online rule starts from the natural plan)."""

@@ -10,6 +10,7 @@ refused when the config loads."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
@@ -21,8 +22,9 @@ _SNR_RANGE = {"min_snr_gamma": ">= 0 (0 = off)"}
 
 
 @dataclass
-class LossConfig:
-    """The settings every loss kind has; a kind is a subclass with its KIND, its own settings and its line."""
+class LossConfig(abc.ABC):
+    """The settings every loss kind has; a kind is a subclass with its KIND, its own settings and its line (a kind
+    without its own `describe` cannot be made: TypeError)."""
 
     KIND: ClassVar[str] = ""
     CHOICES: ClassVar[dict] = {}
@@ -35,9 +37,9 @@ class LossConfig:
         """Keyword arguments of `TrainingLoss` (the run adds the patch size and how ranks share the loss's state)."""
         return {"kind": self.KIND, **dataclasses.asdict(self)}
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """One line: the loss and its settings, as the start-up log and the model card state it."""
-        raise NotImplementedError(f"loss kind {self.KIND!r} has no describe()")
 
     def snr(self) -> str:
         return f", min-SNR weighting γ = {self.min_snr_gamma:g}" if self.min_snr_gamma else ""

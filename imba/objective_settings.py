@@ -10,6 +10,7 @@ loads."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
@@ -18,8 +19,9 @@ from imba.objectives import BETA_SCHEDULES, OBJECTIVES
 
 
 @dataclass
-class ObjectiveConfig:
-    """What every objective kind has; a kind is a subclass with its KIND, its settings and its line."""
+class ObjectiveConfig(abc.ABC):
+    """What every objective kind has; a kind is a subclass with its KIND, its settings and its line (a kind without
+    its own `describe` cannot be made: TypeError)."""
 
     KIND: ClassVar[str] = ""
     CHOICES: ClassVar[dict] = {}
@@ -38,9 +40,9 @@ class ObjectiveConfig:
         """Whether the DiT predicts the noise ε (what min-SNR weighting, loss.min_snr_gamma, is defined for)."""
         return OBJECTIVES[self.KIND].predicts_epsilon
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """One line, as the model card states it."""
-        raise NotImplementedError(f"objective kind {self.KIND!r} has no describe()")
 
     def check(self) -> None:
         """A one-line ValueError for settings that cannot go together."""

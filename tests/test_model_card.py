@@ -61,11 +61,11 @@ def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly(
         .count("balanced online by the IMBA distance (the temperature prior, alpha 0.5, 4 rarity groups each moved "
                "within 4x of it, every 7 steps)") == 1
     # a kind added to the choices but not to the describing line: an error, not another kind's words
-    with pytest.raises(NotImplementedError):  # a kind registered without its line
-        type("NewLoss", (LossConfig,), {"KIND": "imba_new"})().describe()
+    with pytest.raises(TypeError, match="abstract method describe"):  # a kind registered without its line
+        type("NewLoss", (LossConfig,), {"KIND": "imba_new"})()
     assert [kind().describe() for kind in OBJECTIVE_SETTINGS.values()] == ["rectified flow (velocity prediction)",
                                                                           "DDPM ε-prediction"]
-    with pytest.raises(NotImplementedError):
-        type("NewObjective", (ObjectiveConfig,), {"KIND": "edm"})().describe()
-    with pytest.raises(NotImplementedError):  # a rule registered without its line
-        type("NewRule", (BalanceRule,), {"KIND": "new_rule"})().describe()
+    with pytest.raises(TypeError, match="abstract method describe"):
+        type("NewObjective", (ObjectiveConfig,), {"KIND": "edm"})()
+    with pytest.raises(TypeError, match="abstract methods describe, factors"):  # a rule without its line
+        type("NewRule", (BalanceRule,), {"KIND": "new_rule"})()
