@@ -69,14 +69,21 @@ def test_train_py_prints_one_line_and_exits_nonzero_on_a_bad_key():
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_train_py_help_lists_every_setting_with_its_default_and_rule(flag):
-    import dataclasses
+def test_train_py_help_prints_the_help_text(flag):
+    from imba.training.config import help_text
 
-    from imba.training.config import Config
     proc = subprocess.run([sys.executable, "train.py", "loss.gama=0.5", flag], cwd=REPO, capture_output=True,
                           text=True, timeout=120)  # --help wins over a mistake beside it
     assert proc.returncode == 0, proc.stderr[-2000:]
-    listed = [line for line in proc.stdout.splitlines() if " default " in line]
+    assert proc.stdout == help_text() + "\n"
+
+
+def test_the_help_text_lists_every_setting_with_its_default_and_rule():
+    import dataclasses
+
+    from imba.training.config import Config, help_text
+    text = help_text()
+    listed = [line for line in text.splitlines() if " default " in line]
     # a kind setting's settings are listed once for each kind that reads them, with the kind
     lines = {line.split()[0] + (line.split("(kind ")[1].split(")")[0] if "(kind " in line else ""): line
              for line in listed}
@@ -94,7 +101,7 @@ def test_train_py_help_lists_every_setting_with_its_default_and_rule(flag):
             keys += [f"{section.name}.{f.name}.{g.name}{kind}" for kind, rule in kinds.get(f.name, {}).items()
                      for g in dataclasses.fields(rule)]
     assert sorted(lines) == sorted(keys)
-    assert proc.stdout.startswith("usage: python train.py [--config FILE]")
+    assert text.startswith("usage: python train.py [--config FILE]")
     assert lines["model.text_encoder"].split()[1:] == ["str", "default", "auto"]
     assert lines["model.max_text_tokens"].endswith("default 0, must be >= 0 (0 = the text encoder's own)")
     assert lines["data.batch_size"].endswith("int        default 32, must be >= 1")
@@ -102,6 +109,10 @@ def test_train_py_help_lists_every_setting_with_its_default_and_rule(flag):
     assert lines["data.balance.fractionimba"].endswith("default 0.125 (kind imba), must be in (0, 1]")
     assert lines["data.balance.alphatemperature"].split()[1:5] == ["float", "default", "0.5", "(kind"]
     assert lines["optim.grad_clip"].endswith("default 1.0, must be >= 0 (0 = no clipping)")
+    assert lines["loss"].split()[1:] == ["kind", "default", "plain,", "one", "of", "plain,", "imba,", "imba_sample"]
+    assert lines["loss.distanceimba"].split()[1:] == ["str", "default", "mse", "(kind", "imba),", "one", "of", "mse,",
+                                                      "l1,", "l2"]
+    assert lines["objective.shiftflow"].endswith("float      default 1.0 (kind flow), must be > 0")
     assert lines["train.mixed_precision"].split()[1:4] == ["str", "default", "'no',"]
     assert lines["data.shards"].split()[1:] == ["str", "|", "None", "default", "null"]
 
