@@ -54,6 +54,8 @@ def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly(
     assert LOSS_SETTINGS["plain"]().describe() == "plain diffusion MSE with caption dropout 0.1"
     assert load_config(["loss=plain", "loss.lam=0.75"]).loss.describe() == \
         "plain diffusion MSE with caption dropout 0.25"
+    assert load_config(["objective=ddpm", "loss=imba", "loss.min_snr_gamma=5"]).loss.describe().endswith(
+        "estimator literal, min-SNR weighting γ = 5")
     assert DataConfig().balance.describe() == ""
     assert load_config(["data.balance=cap", "data.balance.cap=7"]).data.balance.describe() == \
         "balanced by concepts (cap 7)"
