@@ -243,7 +243,9 @@ BAD_VALUES = [
     ("objective=ddpm objective.beta_start=0", "'objective.beta_start' must be in (0, 1)"),
     ("objective=ddpm objective.beta_end=1", "'objective.beta_end' must be in (0, 1)"),
     ("objective=ddpm objective.beta_start=0.5", "'objective.beta_start' (0.5) must not exceed objective.beta_end (0.02)"),
-    ("objective=ddpm objective.beta_schedule=sigmoid", "'objective.beta_schedule' must be a schedule"),
+    ("objective=ddpm objective.beta_schedule=sigmoid", "'objective.beta_schedule' must be a schedule diffusers' DDPM "
+     "and DPM-Solver schedulers both implement (linear, scaled_linear, squaredcos_cap_v2), got 'sigmoid'"),
+    ("objective=ddpm objective.beta_start=0.021", "(0.021) must not exceed objective.beta_end (0.02)"),
     ("data.num_workers=-1", "'data.num_workers' must be >= 0"),
     ("data.shuffle_buffer=-1", "'data.shuffle_buffer' must be >= 0"),
     ("data.synthetic_samples=0", "'data.synthetic_samples' must be >= 1"),
@@ -259,6 +261,11 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize("override,message", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
+def test_a_constant_noise_schedule_is_allowed():
+    assert load_config(["objective=ddpm", "objective.beta_start=0.01", "objective.beta_end=0.01"]).objective.beta_start \
+        == 0.01
+
+
 def test_out_of_range_values_give_one_line(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(override.split(" "))  # a kind's setting after its kind

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from imba.loss_settings import LOSS_SETTINGS
-from imba.training.config import CHOICES, KIND_RANGES, KIND_SETTINGS, RANGES, Config
+from imba.objective_settings import OBJECTIVE_SETTINGS
+from imba.objectives import OBJECTIVES
+from imba.training.config import CHOICES, KIND_RANGES, KIND_SETTINGS, RANGES, Config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,6 +73,11 @@ def test_the_keywords_a_section_hands_over_are_its_components_parameters():
     for kind in LOSS_SETTINGS.values():  # every kind's settings, and its name
         assert set(kind().kwargs()) <= set(inspect.signature(TrainingLoss).parameters)
         assert TrainingLoss(**kind().kwargs()).kind == kind.KIND
+    for kind in OBJECTIVE_SETTINGS.values():  # each objective kind builds its objective from its settings
+        built = kind().build()
+        assert type(built) is OBJECTIVES[kind.KIND] and built.name == kind.KIND
+        assert set(kind().kwargs()) == set(dataclasses.asdict(kind()))
+    assert load_config(["objective=flow", "objective.shift=3"]).objective.build().shift == 3.0
     assert set(cfg.model.encoders()) <= set(inspect.signature(FrozenEncoders.load).parameters)
     assert set(cfg.model.encoders()) <= precompute_fields
     assert set(cfg.data.decoding()) <= set(inspect.signature(build_loader).parameters)
