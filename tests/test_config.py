@@ -261,15 +261,15 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize("override,message", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
-def test_a_constant_noise_schedule_is_allowed():
-    assert load_config(["objective=ddpm", "objective.beta_start=0.01", "objective.beta_end=0.01"]).objective.beta_start \
-        == 0.01
-
-
 def test_out_of_range_values_give_one_line(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(override.split(" "))  # a kind's setting after its kind
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_constant_noise_schedule_is_allowed():
+    assert load_config(["objective=ddpm", "objective.beta_start=0.01", "objective.beta_end=0.01"]).objective.beta_start \
+        == 0.01
 
 
 def test_presets_are_the_models_presets():
