@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from imba.training.config import ConfigError, load_config, save_config
+from imba.training.config import ConfigError, flat_dict, load_config, save_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,8 @@ def test_saved_config_round_trips(tmp_path):
                                      "distance, reference, normalize, estimator; did you mean loss.gamma?)"),
     (["loss.gamma=0.5"], "unknown config key 'loss.gamma' (loss kind plain reads min_snr_gamma, lam)"),
     (["optim.lrr=0.1"], "unknown config key 'optim.lrr' (did you mean optim.lr?)"),
-    (["trian.max_steps=3"], "unknown config key 'trian'"),
+    (["trian.max_steps=3"], "unknown config key 'trian' (valid: model, data, loss, objective, optim, speed, sample, "
+                            "train)"),
     (["train.max_steps=abc"], "config key 'train.max_steps' expects int, got 'abc'"),
     (["train.max_steps=1.5"], "expects int"),
     (["loss=imba", "loss.gamma=true"], "expects float"),
@@ -109,6 +110,7 @@ def test_the_help_text_lists_every_setting_with_its_default_and_rule():
     assert lines["data.balance.fractionimba"].endswith("default 0.125 (kind imba), must be in (0, 1]")
     assert lines["data.balance.alphatemperature"].split()[1:5] == ["float", "default", "0.5", "(kind"]
     assert lines["optim.grad_clip"].endswith("default 1.0, must be >= 0 (0 = no clipping)")
+    assert lines["model.preset"].endswith("default micro, one of micro, tiny, small, base, 1b")
     assert lines["loss"].split()[1:] == ["kind", "default", "plain,", "one", "of", "plain,", "imba,", "imba_sample"]
     assert lines["loss.distanceimba"].split()[1:] == ["str", "default", "mse", "(kind", "imba),", "one", "of", "mse,",
                                                       "l1,", "l2"]
@@ -265,6 +267,20 @@ def test_out_of_range_values_give_one_line(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(override.split(" "))  # a kind's setting after its kind
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_kind_given_again_keeps_its_settings_and_another_kind_starts_from_its_defaults(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("loss:\n  kind: imba\n  gamma: 0.5\n")
+    assert load_config(["--config", str(f), "loss=imba"]).loss.gamma == 0.5
+    assert load_config(["--config", str(f), "loss=imba_sample"]).loss.gamma == 0.8
+
+
+def test_the_trackers_view_is_flat_and_scalar():
+    flat = flat_dict(load_config(["data.balance=temperature", "sample.prompts=[a cat]"]))
+    assert flat["data.balance.kind"] == "temperature" and flat["data.balance.alpha"] == 0.5
+    assert flat["loss.kind"] == "plain" and flat["data.batch_size"] == 32 and flat["speed.tf32"] is True
+    assert flat["sample.prompts"] == "['a cat']" and flat["data.shards"] == "None"  # non-scalars as text
 
 
 def test_a_constant_noise_schedule_is_allowed():
