@@ -40,8 +40,8 @@ def test_saved_config_round_trips(tmp_path):
                                      "distance, reference, normalize, estimator; did you mean loss.gamma?)"),
     (["loss.gamma=0.5"], "unknown config key 'loss.gamma' (loss kind plain reads min_snr_gamma, lam)"),
     (["optim.lrr=0.1"], "unknown config key 'optim.lrr' (did you mean optim.lr?)"),
-    (["trian.max_steps=3"], "unknown config key 'trian' (valid: model, data, loss, objective, optim, speed, sample, "
-                            "train)"),
+    (["trian.max_steps=3"], "unknown config key 'trian' (did you mean train?)"),
+    (["xyz.max_steps=3"], "unknown config key 'xyz' (valid: model, data, loss, objective, optim, speed, sample, train)"),
     (["train.max_steps=abc"], "config key 'train.max_steps' expects int, got 'abc'"),
     (["train.max_steps=1.5"], "expects int"),
     (["loss=imba", "loss.gamma=true"], "expects float"),
