@@ -27,7 +27,7 @@ from imba.training.config import ConfigError, dump_config, flat_dict, help_text,
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint, export_run
-from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_message, local_weights
+from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_message
 from imba.training.hooks import Hooks
 from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
         # no periodic checkpoint of a skipped step: the run may be diverging, and rotation would drop good ones
         periodic = cfg.train.save_every and step % cfg.train.save_every == 0 and not skip
         saving = preempted or last or periodic
-        if diverged := guard.divergence(saving, local_weights(dit, ema)):  # nothing of it is saved
+        if diverged := guard.divergence(saving, dit, ema):  # nothing of it is saved
             accelerator.print(f"error: {diverged_message(diverged, step, newest_intact(checkpoint_root))}")
             return finish(DIVERGED_EXIT_CODE)
         with throughput.paused():

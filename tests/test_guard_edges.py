@@ -97,6 +97,24 @@ def test_local_weights_are_the_parameters_then_the_ema_shadows():
     assert local_weights(model, Ema())[0] is model.weight.ds_tensor
 
 
+def test_the_verdict_reads_the_weights_only_before_a_save_and_names_why(accelerator):
+    model = torch.nn.Linear(2, 3)
+
+    class Ema:
+        shadow_params = [torch.full((3, 2), float("nan")), torch.zeros(3)]
+
+    guard = DivergenceGuard(accelerator, max_bad_steps=2)
+    assert guard.divergence(False, model, Ema()) is None  # a non-finite EMA, but nothing is saved now
+    assert guard.divergence(True, model, Ema()) == "the weights or their EMA are not finite"
+    Ema.shadow_params[0] = torch.zeros(3, 2)
+    assert guard.divergence(True, model, Ema()) is None
+    guard.add_loss(torch.tensor(float("inf")))
+    guard.step_is_bad()
+    guard.add_loss(torch.tensor(float("inf")))
+    guard.step_is_bad()
+    assert guard.divergence(False, model, Ema()) == "2 consecutive steps with a non-finite loss or gradient norm"
+
+
 def test_diverged_message_names_the_step_the_reason_and_where_to_resume():
     line = diverged_message("3 consecutive steps", 42, "out/checkpoints/step_0000040")
     assert "step 42" in line and "3 consecutive steps" in line and "out/checkpoints/step_0000040" in line

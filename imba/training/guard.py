@@ -49,13 +49,13 @@ class DivergenceGuard:
     def diverged(self) -> bool:
         return self.consecutive >= self.max_bad_steps
 
-    def divergence(self, saving: bool, weights: Iterable[torch.Tensor]) -> str | None:
+    def divergence(self, saving: bool, model: torch.nn.Module, ema) -> str | None:
         """Why the run must stop now, or None: too many bad steps in a row, or, before a checkpoint (`saving`),
-        weights that are not finite on some rank (never checkpoint them, nor rotate good ones out). A collective
-        when saving: every rank calls it."""
+        weights of `model` or `ema` that are not finite on some rank (never checkpoint them, nor rotate good ones
+        out). A collective when saving: every rank calls it."""
         if self.diverged:
             return f"{self.consecutive} consecutive steps with a non-finite loss or gradient norm"
-        if saving and not all_finite(self.accelerator, weights):
+        if saving and not all_finite(self.accelerator, local_weights(model, ema)):  # read only when saving
             return "the weights or their EMA are not finite"
         return None
 
