@@ -66,10 +66,16 @@ def index_captions(index: ShardIndex, caption_field: str = "caption") -> Iterato
     """The caption of every sample of `index`, in index order ("" when a sample has none), without reading images.
     A shard whose captions do not line up with its index (damaged since it was indexed) is padded or cut to its
     indexed count, with a warning."""
-    for url, expected in zip(index.urls, index.nsamples):
+    for shard, (url, expected) in enumerate(zip(index.urls, index.nsamples)):
         skipped: Counter = Counter()
         got = 0
-        for caption in iter_shard_captions(url, caption_field, skipped, keep_missing=True):
+        try:
+            path = index.local_path(shard) if expected else url  # a remote shard: its copy in the cache
+        except OSError as exn:  # a remote shard the store does not give: its samples count as captionless
+            log.warning("shard %s: %s; its %d samples are read as captionless", url, exn, expected)
+            yield from [""] * expected
+            continue
+        for caption in iter_shard_captions(path, caption_field, skipped, keep_missing=True):
             if got < expected:
                 yield caption
             got += 1
@@ -96,7 +102,8 @@ def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceRule,
     describe = getattr(extractor, "describe", lambda: {"name": type(extractor).__name__})
     parts = {
         "version": PLAN_VERSION,
-        "shards": [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")] for s in index.shardlist],
+        "shards": [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")] + ([s["etag"]] if "etag" in s else [])
+                   for s in index.shardlist],
         "sources": mix.describe(),
         "samples_per_epoch": mix.samples_per_epoch,
         "balance": balance.settings(),

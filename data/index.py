@@ -26,6 +26,7 @@ import logging
 import os
 import tarfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from .files import atomic_write, read_json_object, write_json
 from .images import IMAGE_EXTENSIONS
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD
 from .tars import split_key_ext, walk_tar_buffer
+from .remote import ShardCache, is_indexable_remote, stat as remote_stat
 from .urls import expand_urls, is_remote
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "load_or_build_index", "parse_sample"]
@@ -150,21 +152,37 @@ def parse_sample(blob: bytes | bytearray | memoryview, copy: bool = True) -> dic
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _check_local(urls: Sequence[str]) -> None:
+def _check_indexable(urls: Sequence[str]) -> None:
     for url in urls:
-        if is_remote(str(url)):
-            raise ValueError(
-                f"indexed mode needs local shards; use data.mode=streaming for pipe:/http/s3 (got {str(url)[:120]!r})"
-            )
+        if is_remote(str(url)) and not is_indexable_remote(str(url)):
+            raise ValueError(f"indexed mode reads local files and s3://, gs://, http(s):// URLs; a pipe: command can "
+                             f"only be streamed: use data.mode=streaming (got {str(url)[:120]!r})")
 
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _stat(path: str) -> dict[str, int]:
+def _stat(path: str) -> dict[str, Any]:
+    """What identifies this version of a shard: size and mtime of a local file; size and ETag of a remote one."""
+    if is_indexable_remote(path):
+        return remote_stat(path)
     st = os.stat(path)
     return {"filesize": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _stats(paths: list[str]) -> dict[str, dict[str, Any] | OSError]:
+    """`_stat` of every shard (remote ones asked in parallel: one request each); an OSError where it failed."""
+    def one(path: str) -> dict[str, Any] | OSError:
+        try:
+            return _stat(path)
+        except OSError as exn:
+            return exn
+
+    remote = [p for p in paths if is_indexable_remote(p)]
+    with ThreadPoolExecutor(16) as pool:
+        found = dict(zip(remote, pool.map(one, remote)))
+    return {p: found[p] if p in found else one(p) for p in paths}
 
 
 def _default_cache_dir() -> str:
@@ -187,8 +205,10 @@ class ShardIndex:
         spans: np.ndarray | None = None,
         path: str | None = None,
         rescanned: Sequence[str] = (),
+        cache: ShardCache | None = None,
     ):
         self.shardlist = shardlist
+        self.cache = cache  # where remote shards are read from (None: all shards are local files)
         self.urls = [s["url"] for s in shardlist]
         self.nsamples = [int(s["nsamples"]) for s in shardlist]
         self.starts = np.concatenate([[0], np.cumsum(self.nsamples, dtype=np.int64)])
@@ -222,6 +242,15 @@ class ShardIndex:
         shard = int(np.searchsorted(self.starts, i, side="right")) - 1
         start, end = self.table[i, :2]
         return shard, int(start), int(end)
+
+    def local_path(self, shard: int) -> str:
+        """The file to read shard `shard` from: the shard itself, or a remote shard's copy in the cache (downloaded
+        first if needed; `data.remote.ShardChanged` if it is no longer the version indexed, `RemoteReadError` if it
+        cannot be fetched)."""
+        entry = self.shardlist[shard]
+        if not is_indexable_remote(entry["url"]):
+            return entry["url"]
+        return self.cache.path(entry["url"], {"filesize": entry["filesize"], "etag": entry["etag"]})
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -278,20 +307,30 @@ def _write_index(
 
 
 def load_or_build_index(
-    urls: str | os.PathLike | Sequence[str | os.PathLike], index_dir: str | os.PathLike | None = None
+    urls: str | os.PathLike | Sequence[str | os.PathLike], index_dir: str | os.PathLike | None = None,
+    cache: ShardCache | None = None,
 ) -> ShardIndex:
-    """The index of local tar shards `urls` (any spec `expand_urls` takes), from its cache when still valid.
+    """The index of tar shards `urls` (any spec `expand_urls` takes: local files, or s3://, gs://, http(s):// URLs
+    read through `cache`, default `ShardCache()`), from its cached copy when still valid.
 
-    The cache is `imba-index-<hash of the shard paths>.json` (+ `.npy` spans) in `index_dir`, else in the first
-    shard's folder, falling back to ~/.cache/imba-dit/indexed when that folder is not writable. Shards whose size
-    or mtime changed are rescanned (`index.rescanned` lists them). Safe to call on every rank at once (identical
-    atomic writes); to scan only once, call it on rank 0 before a barrier.
+    The cached copy is `imba-index-<hash of the shard paths>.json` (+ `.npy` spans) in `index_dir`, else in the first
+    shard's folder, falling back to ~/.cache/imba-dit/indexed when that folder is not writable (remote shards: the
+    shard cache's index folder). Shards whose size or mtime (remote: size or ETag) changed are rescanned
+    (`index.rescanned` lists them); a remote shard is scanned from its download into the cache. Safe to call on
+    every rank at once (identical atomic writes); to scan only once, call it on rank 0 before a barrier.
     """
-    _check_local([os.fspath(u) for u in ([urls] if isinstance(urls, (str, os.PathLike)) else urls)])
-    paths = [os.path.abspath(u) for u in expand_urls(urls)]
-    _check_local(paths)
+    _check_indexable([os.fspath(u) for u in ([urls] if isinstance(urls, (str, os.PathLike)) else urls)])
+    paths = [u if is_indexable_remote(u) else os.path.abspath(u) for u in expand_urls(urls)]
+    _check_indexable(paths)
+    remote = any(is_indexable_remote(p) for p in paths)
+    cache = cache if cache is not None or not remote else ShardCache()
     name = f"imba-index-{_digest(chr(10).join(paths))}"
-    folders = [os.fspath(index_dir)] if index_dir is not None else [os.path.dirname(paths[0]), _default_cache_dir()]
+    if index_dir is not None:
+        folders = [os.fspath(index_dir)]
+    elif is_indexable_remote(paths[0]):
+        folders = [cache.index_dir]
+    else:
+        folders = [os.path.dirname(paths[0]), _default_cache_dir()]
 
     cached: dict[str, dict] = {}
     old_spans, old_map = None, None
@@ -300,19 +339,22 @@ def load_or_build_index(
         if cached:
             break
 
+    stats = _stats(paths)
     shardlist: list[dict[str, Any]] = []
     parts: list[np.ndarray] = []
     rescanned: list[str] = []
     for path in paths:
         try:
-            stat = _stat(path)
+            stat = stats[path]
+            if isinstance(stat, OSError):
+                raise stat
             entry = cached.get(path)
             if entry is not None and all(entry.get(k) == v for k, v in stat.items()):
                 spans = np.asarray(entry["spans"])
                 note = entry.get("error")
             else:
                 rescanned.append(path)
-                spans, note = _scan_tar(path)
+                spans, note = _scan_tar(cache.path(path, stat) if is_indexable_remote(path) else path)
                 if note is not None:
                     log.warning("shard %s: %s (%s); using the %d samples before the damage", path, CORRUPT_TAR,
                                 note[:200], len(spans))
@@ -336,7 +378,7 @@ def load_or_build_index(
         )
     if not rescanned and old_spans is not None and [s["url"] for s in shardlist] == list(cached):
         json_path = os.path.join(os.path.dirname(old_spans), f"{name}.json")
-        return ShardIndex(shardlist, spans_path=old_spans, spans=old_map, path=json_path)
+        return ShardIndex(shardlist, spans_path=old_spans, spans=old_map, path=json_path, cache=cache)
 
     spans = np.concatenate(parts).astype(np.int64).reshape(-1, 4)
     for folder in folders:
@@ -346,6 +388,6 @@ def load_or_build_index(
             log.info("cannot write the shard index to %s (%s); trying the next place", folder, exn)
             continue
         log.info("indexed %d samples in %d shards (%d scanned) -> %s", total, len(paths), len(rescanned), json_path)
-        return ShardIndex(shardlist, spans_path=spans_path, path=json_path, rescanned=rescanned)
+        return ShardIndex(shardlist, spans_path=spans_path, path=json_path, rescanned=rescanned, cache=cache)
     log.warning("could not write the shard index anywhere (%s); keeping it in memory", ", ".join(folders))
-    return ShardIndex(shardlist, spans=spans, rescanned=rescanned)
+    return ShardIndex(shardlist, spans=spans, rescanned=rescanned, cache=cache)

@@ -26,6 +26,7 @@ import collections
 import errno
 import logging
 import os
+import time
 from stat import S_ISREG
 from typing import Any, Iterator, Sequence
 
@@ -36,6 +37,7 @@ from .buckets import assign_buckets, bucket_sizes
 from .decode import DecodeSamples, collate as collate_samples
 from .index import ShardIndex, load_or_build_index, parse_sample
 from .order import BucketBatchSampler, IndexedBatchSampler
+from .remote import RemoteReadError, ShardCache
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples, ReaderStats, counts_since, too_small_advice
 from .streaming import check_loader_args
 from .weighted import StreamBatchSampler, WeightedBucketSampler
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_SUBSTITUTES = 100  # a bad sample is replaced by the next good one within this many indices, else one error
 MAX_OPEN_SHARDS = 64  # per process; file descriptors are reused across samples of the same shard
+REMOTE_RETRY_AFTER_S = 60.0  # a remote shard that could not be fetched is skipped this long, then asked for again
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -71,10 +74,11 @@ class IndexedShards(torch.utils.data.Dataset):
         caption_field: str = "caption",
         index_dir: str | os.PathLike | None = None,
         min_size: int = 0,
+        cache: ShardCache | None = None,
     ):
         if resolution < 1 or min_size < 0:
             raise ValueError(f"need resolution >= 1 and min_size >= 0 (got {resolution}, {min_size})")
-        self.index = urls if isinstance(urls, ShardIndex) else load_or_build_index(urls, index_dir)
+        self.index = urls if isinstance(urls, ShardIndex) else load_or_build_index(urls, index_dir, cache)
         self.resolution = resolution
         self.caption_field = caption_field
         self.min_size = min_size
@@ -91,6 +95,7 @@ class IndexedShards(torch.utils.data.Dataset):
         self._sized_decoders: dict[tuple[int, int], DecodeSamples] = {}  # (h, w) -> decoder, sharing self.stats
         self._known_bad: set[int] = set()
         self._bad_shards: set[int] = set()  # could not be opened in this process: all their samples are skipped
+        self._retry_at: dict[int, float] = {}  # remote shards that could not be fetched: when to ask again
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -113,7 +118,7 @@ class IndexedShards(torch.utils.data.Dataset):
         if fd is None:
             if len(self._fds) >= MAX_OPEN_SHARDS:
                 os.close(self._fds.popitem(last=False)[1])
-            fd = os.open(self.index.urls[shard], os.O_RDONLY)
+            fd = os.open(self.index.local_path(shard), os.O_RDONLY)
             if not S_ISREG(os.fstat(fd).st_mode):  # e.g. a directory now stands where the shard was
                 os.close(fd)
                 raise IsADirectoryError(errno.EISDIR, "not a regular file", self.index.urls[shard])
@@ -150,6 +155,8 @@ class IndexedShards(torch.utils.data.Dataset):
             self._fd(shard)
         except OSError as exn:  # vanished, permissions, I/O error: the whole shard is skipped
             self._bad_shards.add(shard)
+            if isinstance(exn, RemoteReadError):  # the store may answer again: asked again after a pause
+                self._retry_at[shard] = time.monotonic() + REMOTE_RETRY_AFTER_S
             self.stats.count(UNREADABLE_SHARD, f"skipping shard {url}: {UNREADABLE_SHARD} ({exn})", shard=True)
             self.stats.failed(f"{UNREADABLE_SHARD} {url}")
             return None
@@ -181,6 +188,9 @@ class IndexedShards(torch.utils.data.Dataset):
         k, visited, tried = i, 0, 0
         while visited < n and tried <= MAX_SUBSTITUTES:
             shard = int(np.searchsorted(self.index.starts, k, side="right")) - 1
+            if shard in self._retry_at and time.monotonic() >= self._retry_at[shard]:
+                self._bad_shards.discard(shard)
+                del self._retry_at[shard]
             if shard in self._bad_shards:  # pass over the rest of an unreadable shard as one block
                 end = int(self.index.starts[shard + 1])
                 visited += end - k
@@ -284,7 +294,7 @@ def make_indexed_loader(
     world_size: int = 1, batches_done: int = 0, caption_field: str = "caption",
     index_dir: str | os.PathLike | None = None, shard_window: int = 0, min_size: int = 0, bucketing: bool = False,
     bucket_divisor: int = 16, max_aspect_ratio: float = 4.0,
-    sampler: StreamBatchSampler | WeightedBucketSampler | None = None,
+    sampler: StreamBatchSampler | WeightedBucketSampler | None = None, cache: ShardCache | None = None,
 ) -> IndexedLoader:
     """Infinite, exactly resumable loader over local tar shards; same batches as `make_image_text_loader`.
 
@@ -309,7 +319,8 @@ def make_indexed_loader(
     if bucketing and shard_window:
         raise ValueError("aspect-ratio bucketing reads samples in a uniform order: set shard_window=0")
     buckets = bucket_sizes(resolution, bucket_divisor, max_aspect_ratio) if bucketing else None  # checks first
-    dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir, min_size=min_size)
+    dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir, min_size=min_size,
+                            cache=cache)
     if min_size:  # the index holds every image's size: a minimum that none meets is reported before any batch
         shorter = dataset.index.sizes.min(axis=1)
         largest = int(shorter.max()) if len(shorter) else 0  # 0: no readable image header, bad samples anyway

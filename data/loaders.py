@@ -9,6 +9,7 @@ from typing import Any, Callable, ContextManager
 from .index import load_or_build_index
 from .indexed import make_indexed_loader
 from .precomputed import make_precomputed_loader
+from .remote import ShardCache, is_indexable_remote
 from .streaming import make_image_text_loader
 from .urls import is_remote
 from .weighted import StreamBatchSampler
@@ -19,12 +20,12 @@ __all__ = ["choose_mode", "build_loader"]
 def choose_mode(mode: str, shards: list[str], manifest: dict | None = None) -> str:
     """The reader for data.mode `mode` (auto | indexed | streaming): "indexed" or "streaming".
 
-    Precomputed shards (a manifest) are always read indexed; "auto" streams when any shard is remote and reads
-    local shards indexed (exact resume)."""
+    Precomputed shards (a manifest) are always read indexed; "auto" reads local shards and s3://, gs://, http(s)://
+    URLs indexed (exact resume; remote shards through the local cache) and streams pipe: commands."""
     if manifest:
         return "indexed"
     if mode == "auto":
-        return "streaming" if any(is_remote(url) for url in shards) else "indexed"
+        return "streaming" if any(is_remote(u) and not is_indexable_remote(u) for u in shards) else "indexed"
     return mode
 
 
@@ -48,6 +49,7 @@ def build_loader(
     loader_threads: int = 0,
     main_process_first: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     sampler: StreamBatchSampler | None = None,
+    cache: ShardCache | None = None,
 ):
     """This rank's infinite training loader over `shards` (expanded shard URLs), resuming after `batches_done`.
 
@@ -57,26 +59,27 @@ def build_loader(
     `main_process_first` (a context-manager factory, e.g. `accelerator.main_process_first`) lets the main process
     scan the tars into the cached index before the other ranks open it. `loader_threads` > 0 (precomputed features
     with `num_workers=0` only) makes the batches in threads of this process. `sampler` (a weighted stream over
-    these shards, `data.weighted`) replaces the uniform order; it needs indexed reading.
+    these shards, `data.weighted`) replaces the uniform order; it needs indexed reading. `cache`: where remote
+    shards are kept (`data.remote.ShardCache`; default its default folder, no limit).
     """
     mode = choose_mode(mode, shards, manifest)
     if sampler is not None and mode != "indexed":
-        raise ValueError("a weighted stream (data.sources, data.balance) needs indexed reading of local shards: the "
-                         "streaming reader cannot draw by weight and resume exactly")
+        raise ValueError("a weighted stream (data.sources, data.balance) needs indexed reading: the streaming reader "
+                         "cannot draw by weight and resume exactly")
     if loader_threads and (not manifest or num_workers):
         raise ValueError(f"data.loader_threads={loader_threads} needs precomputed features and data.num_workers=0"
                          + ("" if manifest else " (these shards are images)"))
     if bucketing and (manifest or mode == "streaming"):
-        raise ValueError("data.bucketing=true needs local image shards (read in indexed mode): "
-                         + ("precomputed latents have one fixed size" if manifest else "remote shards are streamed"))
+        raise ValueError("data.bucketing=true needs image shards read in indexed mode: "
+                         + ("precomputed latents have one fixed size" if manifest else "streamed shards have no index"))
     common = dict(resolution=resolution, batch_size=batch_size, num_workers=num_workers, seed=seed, rank=rank,
                   world_size=world_size, caption_field=caption_field, min_size=min_size)
     if mode == "indexed":
         with main_process_first():
-            load_or_build_index(shards)  # scanned once, by the main process; the others read the cached index
+            load_or_build_index(shards, cache=cache)  # scanned once, by the main process; the others read the cached index
         if manifest:
             return make_precomputed_loader(shards, batch_size, num_workers, seed, rank, world_size, batches_done,
-                                           manifest=manifest, num_threads=loader_threads, sampler=sampler)
+                                           manifest=manifest, num_threads=loader_threads, sampler=sampler, cache=cache)
         return make_indexed_loader(shards, batches_done=batches_done, bucketing=bucketing,
-                                   bucket_divisor=bucket_divisor, sampler=sampler, **common)
+                                   bucket_divisor=bucket_divisor, sampler=sampler, cache=cache, **common)
     return make_image_text_loader(shards, batches_done=batches_done, shuffle_buffer=shuffle_buffer, **common)

@@ -55,6 +55,7 @@ from .files import read_json_object
 from .index import parse_sample
 from .indexed import BatchFetch, IndexedLoader, IndexedShards, check_stream, indexed_batch_sampler
 from .order import IndexedBatchSampler
+from .remote import ShardCache, is_indexable_remote, read_json as read_remote_json
 from .skips import ReaderStats
 from .streaming import check_loader_args
 from .text_states import (
@@ -175,6 +176,9 @@ def _npy_header(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 def _manifest_path(where: str | os.PathLike | Sequence[str]) -> str:
+    first = expand_urls(where)[0]
+    if is_indexable_remote(first):
+        return first.rsplit("/", 1)[0] + "/" + MANIFEST_NAME
     if isinstance(where, (str, os.PathLike)):
         where = os.path.expanduser(os.fspath(where))
         if os.path.isfile(where) and where.endswith(".json"):
@@ -188,7 +192,7 @@ def load_manifest(where: str | os.PathLike | Sequence[str]) -> dict[str, Any]:
     """The manifest of precomputed shards: `where` is the output folder, its precompute.json, or a shard spec
     (the manifest is then the one next to the first shard). Its "__path__" entry is where it was read from."""
     path = _manifest_path(where)
-    manifest = read_json_object(path)
+    manifest = read_remote_json(path) if is_indexable_remote(path) else read_json_object(path)
     if manifest is None or manifest.get("__kind__") != FORMAT_KIND:
         raise FileNotFoundError(
             f"no precompute manifest at {path}: the folder is not precomputed, or its precompute did not finish "
@@ -201,14 +205,14 @@ def load_manifest(where: str | os.PathLike | Sequence[str]) -> dict[str, Any]:
     if text_dtype not in TEXT_DTYPES or format_version(text_dtype) != version:
         raise ValueError(f"{path}: format version {version} does not store text_dtype {text_dtype!r} (this code "
                          f"reads {list(TEXT_DTYPES)}): the manifest is damaged or from other code; precompute again")
-    manifest["__path__"] = os.path.abspath(path)
+    manifest["__path__"] = path if is_indexable_remote(path) else os.path.abspath(path)
     return manifest
 
 
 def find_manifest(shards: str | Sequence[str], **expected: Any) -> dict[str, Any] | None:
     """The manifest when `shards` (a training config's data.shards) are precompute outputs, checked against
-    `expected` (see `check_manifest`); None for ordinary image shards, remote ones and an empty spec."""
-    if not shards or is_remote(expand_urls(shards)[0]):
+    `expected` (see `check_manifest`); None for ordinary image shards, streamed ones and an empty spec."""
+    if not shards or (is_remote(expand_urls(shards)[0]) and not is_indexable_remote(expand_urls(shards)[0])):
         return None
     try:
         manifest = load_manifest(shards)
@@ -433,9 +437,11 @@ class PrecomputedShards(IndexedShards):
         urls: str | Sequence[str],
         manifest: dict[str, Any] | None = None,
         index_dir: str | os.PathLike | None = None,
+        cache: ShardCache | None = None,
     ):
         manifest = manifest if manifest is not None else load_manifest(urls)
-        super().__init__(urls, manifest["resolution"], caption_field=manifest["caption_field"], index_dir=index_dir)
+        super().__init__(urls, manifest["resolution"], caption_field=manifest["caption_field"], index_dir=index_dir,
+                         cache=cache)
         # the image decoder of IndexedShards is replaced: raw precomputed members -> checked arrays
         self.manifest = manifest
         self.decode = _DecodePrecomputed(manifest, self.stats)
@@ -584,7 +590,7 @@ def make_precomputed_loader(
     weighted stream (`data.weighted`) to draw from instead, as in `make_indexed_loader`.
     """
     check_loader_args(1, batch_size, num_workers)
-    dataset = PrecomputedShards(urls, manifest=manifest, index_dir=index_dir)
+    dataset = PrecomputedShards(urls, manifest=manifest, index_dir=index_dir, cache=cache)
     if sampler is None:
         sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
     else:

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from .balance import BalanceRule, CapBalance, NoBalance, TemperatureBalance
 from .online_balance import ImbaBalance
+from .remote import ShardCache, parse_size
 from .sources import SourceConfig, check_source_configs
 
 # data.balance's kinds: a rule is its settings' dataclass (data/balance.py's BalanceRule), registered here by its KIND
@@ -18,10 +19,17 @@ BALANCE_RULES: dict[str, type[BalanceRule]] = {rule.KIND: rule for rule in (NoBa
 
 @dataclass
 class DataConfig:
-    shards: str | None = None  # brace/glob pattern, folder or URL of img2dataset tar shards; None = synthetic
-    # auto: indexed for local shards, streaming for remote URLs. indexed: exact resume, equal batches per rank.
-    # streaming: webdataset with resampled shards (pipe:/http/s3, or sets too large to index)
+    # brace/glob pattern, folder or URL (s3://, gs://, http(s)://, pipe:) of img2dataset tar shards; None = synthetic
+    shards: str | None = None
+    # auto: indexed, except pipe: commands, which stream. indexed: exact resume, equal batches per rank (remote shards
+    # through data.cache_dir). streaming: webdataset with resampled shards (pipe:, or sets too large to index)
     mode: str = "auto"
+    # where shards on object storage are kept while a run reads them (whole shards, shared by the ranks of a node),
+    # and the most they may take there ("200GB", "500MiB"; 0 = no limit; the least recently used go first).
+    # Credentials and endpoint come from the storage client's own chain (AWS_*, ~/.aws, AWS_ENDPOINT_URL), never
+    # from here. None = ~/.cache/imba-dit/shards
+    cache_dir: str | None = None
+    cache_limit: str = "0"
     resolution: int = 128  # images are resized and centre-cropped to this square size
     batch_size: int = 32  # per process, per micro-step
     num_workers: int = 0
@@ -84,6 +92,10 @@ class DataConfig:
         """Whether the run reads the weighted stream (data.sources or data.balance) rather than the plain order."""
         return bool(self.sources) or not isinstance(self.balance, NoBalance)
 
+    def cache(self) -> ShardCache:
+        """The local cache remote shards are read through (data.cache_dir, data.cache_limit)."""
+        return ShardCache(self.cache_dir, self.cache_limit)
+
     def decoding(self) -> dict:
         """What turns a shard's record into a training sample, as keywords of `data.loaders.build_loader` and
         `PrecomputeSettings`: the image size, where the caption is, which images are skipped as too small."""
@@ -108,5 +120,6 @@ class DataConfig:
                              "buckets yet: set data.bucketing=false, or balance offline (data.balance=temperature "
                              "or cap)")
         if self.weighted() and self.mode == "streaming":
-            raise ValueError("data.sources and data.balance need indexed reading (local shards): the streaming "
-                             "reader cannot draw by weight and resume exactly; set data.mode=auto or indexed")
+            raise ValueError("data.sources and data.balance need indexed reading: the streaming reader cannot draw "
+                             "by weight and resume exactly; set data.mode=auto or indexed")
+        parse_size(self.cache_limit)

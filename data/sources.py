@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .remote import is_indexable_remote
 from .urls import expand_urls, is_remote
 
 __all__ = ["SourceConfig", "Source", "SourceMix", "check_source_configs", "resolve_sources", "check_same_kind"]
@@ -87,7 +88,8 @@ def check_source_configs(configs: Sequence[SourceConfig]) -> None:
 
 def resolve_sources(configs: Sequence[SourceConfig]) -> list[Source]:
     """The sources with their shard files; FileNotFoundError (one line) for a source that matches no shard, a
-    ValueError for a shard in two sources or a remote source (sources are read indexed)."""
+    ValueError for a shard in two sources or a source of pipe: commands (sources are read indexed: local files and
+    s3://, gs://, http(s):// URLs)."""
     check_source_configs(configs)
     sources, owner = [], {}
     for i, cfg in enumerate(configs):
@@ -99,10 +101,11 @@ def resolve_sources(configs: Sequence[SourceConfig]) -> list[Source]:
         if not urls:
             raise FileNotFoundError(f"data.sources: {name} matches no shard ({cfg.shards})")
         for url in urls:
-            if is_remote(url):
-                raise ValueError(f"data.sources: {name} is remote ({url[:80]}); sources are read indexed and need "
-                                 f"local shards (a remote set streams alone, as data.shards)")
-            key = os.path.abspath(url)
+            if is_remote(url) and not is_indexable_remote(url):
+                raise ValueError(f"data.sources: {name} is a pipe: command ({url[:80]}); sources are read indexed: "
+                                 f"give local shards or s3://, gs://, http(s):// URLs (a pipe streams alone, as "
+                                 f"data.shards)")
+            key = url if is_indexable_remote(url) else os.path.abspath(url)
             if key in owner:
                 raise ValueError(f"data.sources: shard {url} is in both {owner[key]} and {name}; a sample belongs "
                                  f"to one source")

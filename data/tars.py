@@ -13,6 +13,8 @@ import tarfile
 from typing import Callable, Iterator
 
 REMOTE_PREFIXES: tuple[str, ...] = ("pipe:", "http://", "https://", "s3://", "gs://")
+# the stores whose shards the indexed reader reads through its cache (data.remote); pipe: commands are streamed
+INDEXABLE_PREFIXES: tuple[str, ...] = ("s3://", "gs://", "http://", "https://")
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _META = re.compile(r"__[^/]*__($|/)")

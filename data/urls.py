@@ -9,11 +9,20 @@ from typing import Sequence
 
 import braceexpand
 
-from .tars import REMOTE_PREFIXES
+from .tars import INDEXABLE_PREFIXES, REMOTE_PREFIXES
 
 __all__ = ["is_remote", "expand_urls"]
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _remote_glob(url: str, spec: str) -> list[str]:
+    from .remote import glob
+
+    found = glob(url)
+    if not found:
+        raise FileNotFoundError(f"no shards found for {spec!r} on the store")
+    return found
 
 
 def is_remote(spec: str) -> bool:
@@ -26,7 +35,8 @@ def expand_urls(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
 
     Each spec may be a brace pattern (`shards/part-{000000..000009}.tar`), a glob (`shards/*.tar`), a directory
     (all `*.tar` directly in it, sorted), a plain file, or a remote spec (`pipe:...`, `http(s)://`, `s3://`,
-    `gs://`), which is brace-expanded but otherwise passed through unchecked. Local specs must match: a spec
+    `gs://`), which is brace-expanded and, for a glob on s3:// or gs://, listed by the store; otherwise passed
+    through unchecked. Local specs must match: a spec
     that matches nothing, or a brace pattern naming missing files, raises FileNotFoundError.
     """
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
@@ -36,7 +46,9 @@ def expand_urls(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     for item in specs:
         item = os.fspath(item)
         if is_remote(item):
-            urls.extend(braceexpand.braceexpand(item))
+            for url in braceexpand.braceexpand(item):
+                urls.extend(_remote_glob(url, item) if _GLOB_CHARS.search(url.split("://", 1)[-1]) and
+                            url.startswith(INDEXABLE_PREFIXES) else [url])
             continue
         found: list[str] = []
         missing: list[str] = []

@@ -35,7 +35,9 @@ def keys(loader, n: int) -> list[list[str]]:
 
 def test_mode_choice():
     assert choose_mode("auto", LOCAL) == "indexed"
-    assert choose_mode("auto", REMOTE) == "streaming"  # one remote shard is enough to stream
+    assert choose_mode("auto", REMOTE) == "streaming"  # one pipe: command is enough to stream
+    stores = ["s3://bucket/a.tar", "gs://bucket/b.tar", "http://host/c.tar", "https://host/d.tar"]
+    assert choose_mode("auto", LOCAL + stores) == "indexed"  # object stores are read indexed, through the cache
     assert choose_mode("indexed", LOCAL) == "indexed"
     assert choose_mode("streaming", LOCAL) == "streaming"
     for mode in ("auto", "indexed", "streaming"):  # precomputed features are always read indexed
@@ -45,11 +47,11 @@ def test_mode_choice():
 
 @pytest.mark.parametrize("shard_list, mode, manifest, why", [
     (LOCAL, "auto", MANIFEST, "precomputed latents have one fixed size"),
-    (LOCAL, "streaming", None, "remote shards are streamed"),
-    (REMOTE, "auto", None, "remote shards are streamed"),
+    (LOCAL, "streaming", None, "streamed shards have no index"),
+    (REMOTE, "auto", None, "streamed shards have no index"),
 ])
-def test_bucketing_is_refused_without_local_image_shards(shard_list, mode, manifest, why):
-    message = f"data.bucketing=true needs local image shards (read in indexed mode): {why}"
+def test_bucketing_is_refused_without_indexed_image_shards(shard_list, mode, manifest, why):
+    message = f"data.bucketing=true needs image shards read in indexed mode: {why}"
     with pytest.raises(ValueError) as info:
         build_loader(shard_list, mode, **{**ARGS, "bucketing": True}, manifest=manifest)
     assert str(info.value) == message
@@ -58,7 +60,7 @@ def test_bucketing_is_refused_without_local_image_shards(shard_list, mode, manif
 def test_indexed_mode_builds_the_index_inside_main_process_first(shards, monkeypatch):
     events = []
     real_index = loaders.load_or_build_index
-    monkeypatch.setattr(loaders, "load_or_build_index", lambda urls: events.append(("index", urls)) or real_index(urls))
+    monkeypatch.setattr(loaders, "load_or_build_index", lambda urls, cache: events.append(("index", urls)) or real_index(urls, cache=cache))
 
     @contextlib.contextmanager
     def main_process_first():
@@ -88,13 +90,15 @@ def test_streaming_mode_resumes_its_stream_from_the_batches_done(shards):
 
 def test_a_manifest_reads_precomputed_shards_from_the_batches_done(monkeypatch):
     calls = []
-    monkeypatch.setattr(loaders, "load_or_build_index", lambda urls: calls.append(("index", urls)))
+    monkeypatch.setattr(loaders, "load_or_build_index", lambda urls, cache: calls.append(("index", urls)))
     monkeypatch.setattr(loaders, "make_precomputed_loader", lambda *a, **k: calls.append((a, k)) or "loader")
     args = {**ARGS, "rank": 1, "world_size": 2, "batches_done": 7}
     assert build_loader(LOCAL, "streaming", **args, manifest=MANIFEST) == "loader"
-    assert calls == [("index", LOCAL), ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 0, "sampler": None})]
+    assert calls == [("index", LOCAL), ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 0, "sampler": None,
+                                                                "cache": None})]
     calls.clear()
     assert build_loader(LOCAL, "auto", **args, manifest=MANIFEST, loader_threads=2) == "loader"
-    assert calls[1] == ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 2, "sampler": None})
+    assert calls[1] == ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 2, "sampler": None,
+                                                      "cache": None})
     with pytest.raises(ValueError, match="needs precomputed features and data.num_workers=0 .these shards are images"):
         build_loader(LOCAL, "auto", **args, loader_threads=2)

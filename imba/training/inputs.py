@@ -140,7 +140,7 @@ def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]
     d, folder = cfg.data, RunFolder(cfg.train.output_dir).plan
     shards = all_shards(sources)
     with accelerator.main_process_first():
-        index = load_or_build_index(shards)
+        index = load_or_build_index(shards, cache=d.cache())
     try:
         mix = SourceMix(sources, index.nsamples, d.epoch_samples)
     except ValueError as err:
@@ -241,7 +241,7 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], po
                             seed=cfg.train.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
                             shuffle_buffer=d.shuffle_buffer, bucketing=d.bucketing, bucket_divisor=bucket_divisor,
                             batches_done=consumed, manifest=manifest, loader_threads=d.loader_threads,
-                            main_process_first=accelerator.main_process_first, sampler=sampler)
+                            main_process_first=accelerator.main_process_first, sampler=sampler, cache=d.cache())
     except ValueError as err:  # settings the data cannot serve (e.g. buckets of precomputed latents)
         raise ConfigError(str(err)) from err
 

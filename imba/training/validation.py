@@ -76,7 +76,7 @@ class Validator:
             loader = build_loader(shards, "indexed", **d.decoding(), batch_size=1, num_workers=0,
                                   seed=cfg.train.seed, rank=0, world_size=1, shuffle_buffer=0, bucketing=False,
                                   bucket_divisor=1, batches_done=0, manifest=val_manifest,
-                                  main_process_first=accelerator.main_process_first)
+                                  main_process_first=accelerator.main_process_first, cache=d.cache())
         except ValueError as err:  # settings these shards cannot serve (data.min_size above every image)
             raise ConfigError(f"data.val_shards: {err}") from err
         total = min(d.val_samples, len(loader.dataset))

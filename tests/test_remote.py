@@ -1,0 +1,192 @@
+"""Shards on object storage (data/remote.py), read from real servers on 127.0.0.1 (moto's S3 server, Python's HTTP
+file server): the same batches as the local shards, each shard downloaded once while it fits the cache, a bounded
+cache, retried and failing requests, a shard replaced in place, a download killed half way, no credential on disk."""
+
+import itertools
+import logging
+import os
+import shutil
+
+import pytest
+import s3fs
+import torch
+
+from data import remote
+from data.index import load_or_build_index
+from data.indexed import make_indexed_loader
+from data.remote import ShardCache, ShardChanged, parse_size
+from data.skips import UNREADABLE_SHARD
+from data.synthetic import write_synthetic_shards
+from data.urls import expand_urls
+from remote_servers import CREDENTIALS, Faults, HTTPServer, S3Server
+
+RES = 32
+SHARDS = 4
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("remote_local")
+    return write_synthetic_shards(folder, num_samples=24, samples_per_shard=6, resolution=RES, seed=5)
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    server = S3Server()
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    # botocore's and s3fs's own retries, with their own waits, kept short: ours are what these tests test
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.001)
+    yield server
+    server.close()
+
+
+def batches(urls, cache=None, n=8, **kw):
+    loader = make_indexed_loader(urls, RES, batch_size=3, seed=11, cache=cache, **kw)
+    return loader, [(b["keys"], b["pixels"]) for b in itertools.islice(loader, n)]
+
+
+def same(a, b):
+    return [k for k, _ in a] == [k for k, _ in b] and all(torch.equal(p, q) for (_, p), (_, q) in zip(a, b))
+
+
+def test_s3_shards_give_the_local_batches_and_are_downloaded_once(local, s3, tmp_path):
+    urls = s3.upload("shards", "set", local)
+    assert expand_urls("s3://shards/set/*.tar") == urls  # a glob is listed by the store
+    with pytest.raises(FileNotFoundError, match="no shards found for 's3://shards/nothing/\\*.tar' on the store"):
+        expand_urls("s3://shards/nothing/*.tar")
+    cache = ShardCache(tmp_path / "cache")
+    _, want = batches(local, n=12)  # 36 samples: every shard read, some twice
+    loader, got = batches(urls, cache, n=12)
+    assert same(got, want)
+    for path in local:  # the index scan downloaded each shard; the reader used that copy
+        assert s3.faults.gets(os.path.basename(path)) == 1
+    index = load_or_build_index(urls, cache=cache)
+    assert index.rescanned == [] and index.urls == urls
+    assert {e["etag"] for e in index.shardlist} != {""}  # S3 gives ETags: the fingerprint holds them
+    _, again = batches(urls, cache, n=12, num_workers=2)  # worker processes read the same cache
+    assert same(again, want)
+    assert sum(s3.faults.gets(os.path.basename(p)) for p in local) == SHARDS
+
+
+def test_an_http_server_without_etags_is_fingerprinted_by_size_and_time(local, tmp_path):
+    folder = tmp_path / "www"
+    folder.mkdir()
+    for path in local:
+        shutil.copy(path, folder)
+    server = HTTPServer(str(folder))
+    try:
+        urls = [f"{server.url}/{os.path.basename(p)}" for p in local]
+        cache = ShardCache(tmp_path / "cache")
+        _, got = batches(urls, cache)
+        assert same(got, batches(local)[1])
+        index = load_or_build_index(urls, cache=cache)
+        assert all(e["etag"] for e in index.shardlist)  # Last-Modified stands in for the ETag
+        assert server.faults.gets(".tar") == SHARDS
+    finally:
+        server.close()
+
+
+def test_a_cache_smaller_than_the_set_evicts_the_least_recent_and_still_reads_the_same(local, s3, tmp_path):
+    urls = s3.upload("shards", "small-cache", local)
+    limit = 2 * os.path.getsize(local[0]) + 100
+    cache = ShardCache(tmp_path / "cache", limit=limit)
+    _, got = batches(urls, cache, n=12)
+    assert same(got, batches(local, n=12)[1])
+    held = [e for e in os.scandir(cache.folder) if e.is_file() and e.name.endswith(".tar")]
+    assert 1 <= len(held) <= 2 and sum(e.stat().st_size for e in held) <= limit
+    assert sum(s3.faults.gets(os.path.basename(p)) for p in local) > SHARDS  # evicted shards came back
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_dropped_requests_are_retried_without_changing_a_batch(local, s3, tmp_path, caplog, monkeypatch, store):
+    # the first 12 requests to each shard fail: more than the clients' own retries absorb, fewer than ours; then a
+    # share of 0.3 fails, which fails a request for good with odds 0.3^10 (one in 170,000)
+    monkeypatch.setattr(remote, "RETRIES", 10)
+    caplog.set_level(logging.INFO, logger="data.remote")
+    if store == "s3":
+        urls, faults, server = s3.upload("shards", "flaky", local), s3.faults, None
+    else:
+        server = HTTPServer(os.path.dirname(local[0]))
+        urls, faults = [f"{server.url}/{os.path.basename(p)}" for p in local], server.faults
+    faults.drop, faults.first = 0.3, 12
+    try:
+        loader, got = batches(urls, ShardCache(tmp_path / "cache"))
+    finally:
+        if server is not None:
+            server.close()
+    assert same(got, batches(local)[1])
+    assert faults.dropped > 0 and loader.stats.bad_total == 0 and loader.stats.shard_errors == 0
+    assert "attempt 1 of 10; retrying" in caplog.text
+
+
+def test_a_shard_the_store_never_gives_is_a_counted_skip_then_asked_again(local, s3, tmp_path, monkeypatch):
+    urls = s3.upload("shards", "broken", local)
+    cache = ShardCache(tmp_path / "cache", limit=1)  # nothing stays: every read asks the store
+    load_or_build_index(urls, cache=cache)
+    s3.faults.broken = (os.path.basename(local[1]),)
+    loader, got = batches(urls, cache, n=8)
+    keys = [k for ks, _ in got for k in ks]
+    assert len(keys) == 24 and not any(k.startswith(os.path.basename(local[1])[:-4]) for k in keys)
+    assert loader.stats.shards_bad == {UNREADABLE_SHARD: 1}  # one line and a count; its samples substituted
+    # the same skips in the same places on a rerun: substitution is a function of the index, not of timing
+    assert [k for k, _ in batches(urls, cache, n=8)[1]] == [k for k, _ in got]
+    # after the pause the shard is asked for again, and read once the store gives it
+    monkeypatch.setattr("data.indexed.REMOTE_RETRY_AFTER_S", 0.0)
+    s3.faults.broken = ()
+    assert same(batches(urls, cache, n=8)[1], batches(local, n=8)[1])
+
+
+def test_a_shard_replaced_in_place_is_refused_then_reindexed(local, s3, tmp_path):
+    urls = s3.upload("shards", "replaced", local)
+    cache = ShardCache(tmp_path / "cache", limit=1)
+    first = load_or_build_index(urls, cache=cache)
+    s3.upload("shards", "replaced", [local[2]])  # same content: same ETag, nothing to do
+    assert load_or_build_index(urls, cache=cache).rescanned == []
+    other = write_synthetic_shards(tmp_path / "other", num_samples=4, samples_per_shard=4, resolution=RES, seed=9)
+    os.rename(other[0], tmp_path / os.path.basename(local[2]))
+    s3.upload("shards", "replaced", [str(tmp_path / os.path.basename(local[2]))])
+    with pytest.raises(ShardChanged, match="changed since it was indexed.*restart the run to re-index it"):
+        first.local_path(2)  # the old index never reads the new bytes
+    loader, got = batches(first, n=8)
+    assert loader.stats.shards_bad == {UNREADABLE_SHARD: 1}
+    again = load_or_build_index(urls, cache=cache)
+    assert again.rescanned == [urls[2]] and again.nsamples[2] == 4
+
+
+def test_a_download_killed_half_way_is_never_served_and_is_cleaned_up(local, s3, tmp_path):
+    url = s3.upload("shards", "killed", local[:1])[0]
+    cache = ShardCache(tmp_path / "cache", limit="1GB")
+    fingerprint = remote.stat(url)
+    final = cache._name(url, fingerprint)
+    os.makedirs(cache.folder)
+    dead = 2 ** 22 + 12345  # above the default pid_max: no such process
+    with open(f"{final}.part-{dead}", "wb") as f:
+        f.write(b"half a shard")
+    assert not cache.cached(url, fingerprint)
+    path = cache.path(url, fingerprint)
+    assert open(path, "rb").read() == open(local[0], "rb").read()
+    assert sorted(os.listdir(cache.folder)) == sorted([os.path.basename(final), os.path.basename(final) + ".lock"])
+
+
+def test_credentials_stay_in_the_environment(local, s3, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    urls = s3.upload("shards", "secret", local)
+    s3.faults.drop = 0.2
+    batches(urls, ShardCache(tmp_path / "cache"))
+    secret = CREDENTIALS["AWS_SECRET_ACCESS_KEY"].encode()
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            assert secret not in open(os.path.join(root, name), "rb").read(), name
+    assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in caplog.text
+
+
+def test_sizes_and_missing_clients_read_in_one_line(monkeypatch):
+    assert [parse_size(s) for s in ("0", "20GB", "500 MiB", "1.5kb", 7)] == [0, 20 * 10**9, 500 * 2**20, 1500, 7]
+    with pytest.raises(ValueError, match="data.cache_limit: 'lots' is not a size"):
+        parse_size("lots")
+    with pytest.raises(ImportError, match="gs:// shards need the gcsfs package: pip install gcsfs"):
+        monkeypatch.setitem(__import__("sys").modules, "gcsfs", None)
+        remote.stat("gs://bucket/a.tar")
