@@ -50,6 +50,7 @@ def build_loader(
     main_process_first: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     sampler: StreamBatchSampler | None = None,
     cache: ShardCache | None = None,
+    shard_window: int = 0,
 ):
     """This rank's infinite training loader over `shards` (expanded shard URLs), resuming after `batches_done`.
 
@@ -60,7 +61,8 @@ def build_loader(
     scan the tars into the cached index before the other ranks open it. `loader_threads` > 0 (precomputed features
     with `num_workers=0` only) makes the batches in threads of this process. `sampler` (a weighted stream over
     these shards, `data.weighted`) replaces the uniform order; it needs indexed reading. `cache`: where remote
-    shards are kept (`data.remote.ShardCache`; default its default folder, no limit).
+    shards are kept (`data.remote.ShardCache`; default its default folder, no limit). `shard_window` > 0: the
+    uniform indexed order reads that many shards at a time (`data.order.IndexedBatchSampler`).
     """
     mode = choose_mode(mode, shards, manifest)
     if sampler is not None and mode != "indexed":
@@ -76,10 +78,12 @@ def build_loader(
                   world_size=world_size, caption_field=caption_field, min_size=min_size)
     if mode == "indexed":
         with main_process_first():
-            load_or_build_index(shards, cache=cache)  # scanned once, by the main process; the others read the cached index
+            load_or_build_index(shards, cache=cache)  # scanned once, by the main process; the others read it
         if manifest:
             return make_precomputed_loader(shards, batch_size, num_workers, seed, rank, world_size, batches_done,
-                                           manifest=manifest, num_threads=loader_threads, sampler=sampler, cache=cache)
+                                           manifest=manifest, num_threads=loader_threads, sampler=sampler, cache=cache,
+                                           shard_window=shard_window)
         return make_indexed_loader(shards, batches_done=batches_done, bucketing=bucketing,
-                                   bucket_divisor=bucket_divisor, sampler=sampler, cache=cache, **common)
+                                   bucket_divisor=bucket_divisor, sampler=sampler, cache=cache,
+                                   shard_window=shard_window, **common)
     return make_image_text_loader(shards, batches_done=batches_done, shuffle_buffer=shuffle_buffer, **common)

@@ -55,7 +55,7 @@ from .files import read_json_object
 from .index import parse_sample
 from .indexed import BatchFetch, IndexedLoader, IndexedShards, check_stream, indexed_batch_sampler
 from .order import IndexedBatchSampler
-from .remote import ShardCache, is_indexable_remote, read_json as read_remote_json
+from .remote import ShardCache, is_indexable_remote, read_bytes as read_remote_bytes, read_json as read_remote_json
 from .skips import ReaderStats
 from .streaming import check_loader_args
 from .text_states import (
@@ -253,8 +253,12 @@ def load_null_text(manifest: dict[str, Any] | str | os.PathLike) -> tuple[torch.
     what `TextConditioner.null_embeds`/`null_mask` hold when the encoder is loaded (equal on valid tokens)."""
     if not isinstance(manifest, dict):
         manifest = load_manifest(manifest)
-    path = os.path.join(os.path.dirname(manifest["__path__"]), manifest["null_text"])
-    stored = np.load(path, allow_pickle=False)
+    where = manifest["__path__"]
+    if is_indexable_remote(where):  # features on object storage: the small file beside their manifest
+        stored = np.load(io.BytesIO(read_remote_bytes(f"{where.rsplit('/', 1)[0]}/{manifest['null_text']}")),
+                         allow_pickle=False)
+    else:
+        stored = np.load(os.path.join(os.path.dirname(where), manifest["null_text"]), allow_pickle=False)
     states = states_from_numpy(stored, None, null_text_dtype(manifest["text_dtype"]))
     embeds, mask = _pad_text(states, manifest["max_text_tokens"])
     return embeds[None], mask[None]
@@ -578,6 +582,7 @@ def make_precomputed_loader(
     urls: str | Sequence[str], batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
     world_size: int = 1, batches_done: int = 0, index_dir: str | os.PathLike | None = None, shard_window: int = 0,
     manifest: dict[str, Any] | None = None, num_threads: int = 0, sampler: StreamBatchSampler | None = None,
+    cache: ShardCache | None = None,
 ) -> PrecomputedLoader:
     """Infinite, exactly resumable loader over precomputed shards (the output folder, or a spec of its shards).
 
@@ -587,7 +592,8 @@ def make_precomputed_loader(
     recycled from batches that are gone; `num_workers` > 0: by worker processes, in shared memory made per batch.
     Order, rank split, `batches_done` resume and `shard_window` are those of `make_indexed_loader` (the same
     `IndexedBatchSampler`). `manifest` defaults to the precompute.json next to the first shard. `sampler`: a
-    weighted stream (`data.weighted`) to draw from instead, as in `make_indexed_loader`.
+    weighted stream (`data.weighted`) to draw from instead, as in `make_indexed_loader`. `cache`: where remote
+    shards are kept (`data.remote.ShardCache`).
     """
     check_loader_args(1, batch_size, num_workers)
     dataset = PrecomputedShards(urls, manifest=manifest, index_dir=index_dir, cache=cache)

@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 from .tars import INDEXABLE_PREFIXES
 
 __all__ = ["INDEXABLE_PREFIXES", "is_indexable_remote", "ShardChanged", "RemoteReadError", "stat", "parse_size",
-           "ShardCache", "default_cache_dir", "read_json", "glob"]
+           "ShardCache", "default_cache_dir", "read_json", "read_bytes", "glob"]
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +147,18 @@ def stat(url: str) -> dict[str, Any]:
     return {"filesize": int(found["size"]), "etag": _etag(found)}
 
 
-def read_json(url: str) -> dict | None:
-    """The JSON object at `url` (a small file beside the shards, e.g. a precompute manifest), or None when it is
-    missing or not an object."""
+def read_bytes(url: str) -> bytes:
+    """The whole (small) file at `url`: a precompute manifest or null text beside the shards."""
     fs, path = _filesystem(url)
+    return _retried(f"read {url}", lambda: fs.cat_file(path))
+
+
+def read_json(url: str) -> dict | None:
+    """The JSON object at `url` (e.g. a precompute manifest beside the shards), or None when it cannot be read or
+    is not an object."""
     try:
-        data = _retried(f"read {url}", lambda: fs.cat_file(path))
-    except FileNotFoundError:
+        data = read_bytes(url)
+    except OSError:
         return None
     try:
         found = json.loads(data)

@@ -30,6 +30,10 @@ class DataConfig:
     # from here. None = ~/.cache/imba-dit/shards
     cache_dir: str | None = None
     cache_limit: str = "0"
+    # > 0: the plain indexed order reads this many shards at a time (shards shuffled, then samples within each window
+    # of them), so a cache smaller than the set downloads each shard about once an epoch; 0 = one shuffle over all
+    # samples (bench/README.md#shards-on-object-storage measures the trade)
+    shard_window: int = 0
     resolution: int = 128  # images are resized and centre-cropped to this square size
     batch_size: int = 32  # per process, per micro-step
     num_workers: int = 0
@@ -82,6 +86,7 @@ class DataConfig:
         "synthetic_samples": ">= 1",
         "val_samples": ">= 1",
         "epoch_samples": ">= 0 (0 = the samples of the sources)",
+        "shard_window": ">= 0 (0 = one shuffle over all samples)",
     }
 
     def synthetic(self) -> bool:
@@ -123,3 +128,7 @@ class DataConfig:
             raise ValueError("data.sources and data.balance need indexed reading: the streaming reader cannot draw "
                              "by weight and resume exactly; set data.mode=auto or indexed")
         parse_size(self.cache_limit)
+        if self.shard_window and (self.weighted() or self.bucketing or self.mode == "streaming"):
+            raise ValueError("data.shard_window orders the plain indexed stream: the weighted stream (data.sources, "
+                             "data.balance), aspect-ratio buckets and the streaming reader draw from every shard; set "
+                             "data.shard_window=0")

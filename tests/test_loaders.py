@@ -95,10 +95,10 @@ def test_a_manifest_reads_precomputed_shards_from_the_batches_done(monkeypatch):
     args = {**ARGS, "rank": 1, "world_size": 2, "batches_done": 7}
     assert build_loader(LOCAL, "streaming", **args, manifest=MANIFEST) == "loader"
     assert calls == [("index", LOCAL), ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 0, "sampler": None,
-                                                                "cache": None})]
+                                                                "cache": None, "shard_window": 0})]
     calls.clear()
     assert build_loader(LOCAL, "auto", **args, manifest=MANIFEST, loader_threads=2) == "loader"
     assert calls[1] == ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 2, "sampler": None,
-                                                      "cache": None})
+                                                      "cache": None, "shard_window": 0})
     with pytest.raises(ValueError, match="needs precomputed features and data.num_workers=0 .these shards are images"):
         build_loader(LOCAL, "auto", **args, loader_threads=2)

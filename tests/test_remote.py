@@ -190,3 +190,17 @@ def test_sizes_and_missing_clients_read_in_one_line(monkeypatch):
     with pytest.raises(ImportError, match="gs:// shards need the gcsfs package: pip install gcsfs"):
         monkeypatch.setitem(__import__("sys").modules, "gcsfs", None)
         remote.stat("gs://bucket/a.tar")
+
+
+def test_the_cache_and_window_settings_are_read_and_checked_at_load(tmp_path):
+    from imba.training.config import ConfigError, load_config
+
+    cfg = load_config([f"data.cache_dir={tmp_path}", "data.cache_limit=2GiB", "data.shard_window=4",
+                       "data.shards=s3://bucket/{0..3}.tar"])
+    cache = cfg.data.cache()
+    assert (cache.folder, cache.limit, cache.index_dir) == (str(tmp_path), 2 * 2**30, str(tmp_path / "index"))
+    assert ShardCache().folder.endswith(os.path.join(".cache", "imba-dit", "shards"))
+    with pytest.raises(ConfigError, match="data.cache_limit: 'much' is not a size"):
+        load_config(["data.cache_limit=much"])
+    with pytest.raises(ConfigError, match="data.shard_window orders the plain indexed stream"):
+        load_config(["data.shard_window=2", "data.balance=temperature"])

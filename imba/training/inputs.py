@@ -241,7 +241,8 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], po
                             seed=cfg.train.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
                             shuffle_buffer=d.shuffle_buffer, bucketing=d.bucketing, bucket_divisor=bucket_divisor,
                             batches_done=consumed, manifest=manifest, loader_threads=d.loader_threads,
-                            main_process_first=accelerator.main_process_first, sampler=sampler, cache=d.cache())
+                            main_process_first=accelerator.main_process_first, sampler=sampler, cache=d.cache(),
+                            shard_window=d.shard_window)
     except ValueError as err:  # settings the data cannot serve (e.g. buckets of precomputed latents)
         raise ConfigError(str(err)) from err
 

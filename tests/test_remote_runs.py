@@ -1,0 +1,91 @@
+"""Real runs of train.py on a mix of a local source and one on an S3 server on 127.0.0.1 (moto), balanced by concepts:
+2 processes, then 1, killed with SIGKILL after a checkpoint and resumed, train on the samples one uninterrupted
+process draws; each remote shard is downloaded once while it fits the cache; no credential is written anywhere."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.synthetic import write_synthetic_shards
+from remote_servers import CREDENTIALS, S3Server
+from test_distributed import digests, launch_command, launch_env
+from test_weighted_runs import global_stream, kill_after_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["data.resolution=64", "data.batch_size=2", "model.preset=tiny", "train.log_every=1", "train.sample_every=0",
+          "train.val_every=0", "sample.steps=2", "sample.prompts=[a red circle]", "optim.warmup_steps=2",
+          "train.trackers=none"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Two sources' features, precomputed once by a short local run: `big` stays local, `small` goes to S3."""
+    root = tmp_path_factory.mktemp("remote_runs")
+    write_synthetic_shards(root / "big", num_samples=30, samples_per_shard=16, resolution=64, seed=1)
+    write_synthetic_shards(root / "small", num_samples=10, samples_per_shard=4, resolution=64, seed=2)
+    made = root / "made"
+    sources = (f"data.sources=[{{shards: {root / 'big'}, name: big}}, {{shards: {root / 'small'}, name: small}}]")
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), f"train.output_dir={made}", *COMMON, sources,
+                           "data.precompute=true", "train.max_steps=1"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    server = S3Server()
+    small = made / "features" / "train-1-small"
+    server.upload("features", "small", sorted(str(p) for p in small.iterdir() if p.is_file()))
+    yield server, made / "features" / "train-0-big"
+    server.close()
+
+
+def run_args(big: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    return [str(REPO / "train.py"), f"train.output_dir={out}", *COMMON, "data.precompute=false",
+            f"data.sources=[{{shards: {big}, share: 0.7, name: big}}, {{shards: 's3://features/small/*.tar', "
+            f"share: 0.3, name: small}}]", "data.epoch_samples=10", "data.balance=temperature",
+            f"data.cache_dir={cache}", "data.record_draws=true", *extra]
+
+
+def env(server: S3Server) -> dict:
+    return {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(args, cwd, server, processes: int = 1) -> str:
+    command = [*launch_command("ddp", processes)] if processes > 1 else [sys.executable]
+    extra = {"ACCELERATE_USE_CPU": "true"} if processes > 1 else {}
+    proc = subprocess.run([*command, *args], cwd=cwd, env={**launch_env(extra), **env(server)}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines() if "Error" in line)[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_local_and_an_s3_source_balanced_on_2_then_1_process_with_a_kill_train_on_one_process_stream(
+        store, tmp_path, monkeypatch):
+    server, big = store
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)  # kill_after_checkpoint's process reads the store too
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    two = run(run_args(big, out, cache, "train.max_steps=3"), tmp_path, server, processes=2)
+    assert "small: 10 samples, 30.0% of the draws" in two and "balanced by concepts" in two
+    ranks = digests(two)
+    assert set(ranks) == {0, 1} and ranks[0] == ranks[1]
+    killed, k = kill_after_checkpoint(run_args(big, out, cache, "train.max_steps=40", "train.save_every=5"),
+                                      tmp_path, out, 5)
+    assert killed == -signal.SIGKILL
+    resumed = run(run_args(big, out, cache, f"train.max_steps={k + 2}"), tmp_path, server)
+    position = 12 + (k - 3) * 2
+    assert f"data: the stream continues after {position} samples" in resumed
+    stream = global_stream(out, 2)
+    assert len(stream) == position + 4
+
+    full = tmp_path / "full"
+    run(run_args(big, full, cache, f"train.max_steps={(position + 4) // 2}"), tmp_path, server)
+    assert stream == global_stream(full, 1)  # nothing replayed, nothing skipped, after a kill and on 2 then 1
+    small = [p for p in server.faults.requests if p[1].endswith(".tar")]
+    assert len(small) >= 3 and all(server.faults.gets(path) == 1 for _, path in small)  # downloaded once
+    secret = CREDENTIALS["AWS_SECRET_ACCESS_KEY"].encode()
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            assert secret not in (Path(root) / name).read_bytes(), name
