@@ -35,6 +35,7 @@ from .balance import (BalanceRule, ConceptTable, NoBalance, balance_factors, bui
 from .concepts.captions import iter_shard_captions
 from .files import atomic_write, read_json_object, write_json
 from .index import ShardIndex
+from .remote import is_indexable_remote
 from .sources import SourceMix
 from .weighted import UNIT, expected_draws_to_units
 
@@ -68,18 +69,23 @@ def index_captions(index: ShardIndex, caption_field: str = "caption") -> Iterato
     indexed count, with a warning."""
     for shard, (url, expected) in enumerate(zip(index.urls, index.nsamples)):
         skipped: Counter = Counter()
-        got = 0
+        got, fd, path, fetched = 0, None, url, True
+        if expected and is_indexable_remote(url):
+            try:  # the cache's copy, read through an open descriptor: another process's eviction cannot take it
+                fd = index.open(shard)
+                path = f"/dev/fd/{fd}"
+            except OSError as exn:  # a shard the store does not give: its samples count as captionless
+                log.warning("shard %s: %s; its %d samples are read as captionless", url, exn, expected)
+                fetched = False
         try:
-            path = index.local_path(shard) if expected else url  # a remote shard: its copy in the cache
-        except OSError as exn:  # a remote shard the store does not give: its samples count as captionless
-            log.warning("shard %s: %s; its %d samples are read as captionless", url, exn, expected)
-            yield from [""] * expected
-            continue
-        for caption in iter_shard_captions(path, caption_field, skipped, keep_missing=True):
-            if got < expected:
-                yield caption
-            got += 1
-        if got != expected:
+            for caption in iter_shard_captions(path, caption_field, skipped, keep_missing=True) if fetched else ():
+                if got < expected:
+                    yield caption
+                got += 1
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if got != expected and fetched:
             log.warning("shard %s: %d captions for %d indexed samples; the shard changed since it was indexed "
                         "(balancing treats the missing ones as captionless)", url, got, expected)
         yield from [""] * max(0, expected - got)

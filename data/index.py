@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 INDEX_VERSION = 2  # 2: image width and height per sample (aspect-ratio buckets); 1: byte spans only
 INDEX_KIND = "imba-dit indexed tar shards"
+REMOTE_SCANS = 8  # remote shards downloaded and scanned at once while an index is built
 _COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 
 
@@ -58,9 +59,9 @@ def _member_key_ext(info: tarfile.TarInfo) -> tuple[str, str] | None:
     return split_key_ext(info.name) if info.isreg() else None
 
 
-def _compression(path: str) -> str | None:
-    with open(path, "rb") as f:
-        head = f.read(6)
+def _compression(f) -> str | None:
+    head = f.read(6)
+    f.seek(0)
     for magic, name in _COMPRESSED_MAGIC.items():
         if head.startswith(magic):
             return name
@@ -81,27 +82,32 @@ def _image_size(tf: tarfile.TarFile, info: tarfile.TarInfo) -> tuple[int, int]:
         return 0, 0
 
 
-def _scan_tar(path: str) -> tuple[np.ndarray, str | None]:
+def _scan_tar(path: str | int) -> tuple[np.ndarray, str | None]:
     """Table (n, 4) of the samples of one tar shard — byte start, byte end, image width, image height — and an
     error note if it could not be read to the end.
 
     The size is that of the image member the reader decodes (the first of IMAGE_EXTENSIONS the sample has);
     (0, 0) when it has none or its header cannot be read. A truncated or corrupt shard keeps the samples read
-    before the damage (their spans lie inside the file).
+    before the damage (their spans lie inside the file). `path` may be an open file descriptor (closed here).
     """
-    compression = _compression(path)
+    with open(path, "rb") as f:
+        return _scan_file(f, path)
+
+
+def _scan_file(f, path: str | int) -> tuple[np.ndarray, str | None]:
+    compression = _compression(f)
     if compression is not None:
         raise ValueError(
             f"indexed mode needs uncompressed .tar shards, {path} is {compression}-compressed: "
             f"decompress it or use data.mode=streaming"
         )
-    size = os.path.getsize(path)
+    size = os.fstat(f.fileno()).st_size
     spans: list[list[int]] = []
     error = None
     current = None
     image_rank = len(IMAGE_EXTENSIONS)  # of the image member whose size the current sample holds
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tf:
+        with tarfile.open(fileobj=f, mode="r:") as tf:
             while True:
                 info = tf.next()
                 if info is None:
@@ -169,6 +175,11 @@ def _stat(path: str) -> dict[str, Any]:
         return remote_stat(path)
     st = os.stat(path)
     return {"filesize": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _unchanged(entry: dict[str, Any] | None, stat: dict[str, Any]) -> bool:
+    """Whether a cached index entry was made from this version of its shard."""
+    return entry is not None and all(entry.get(k) == v for k, v in stat.items())
 
 
 def _stats(paths: list[str]) -> dict[str, dict[str, Any] | OSError]:
@@ -243,14 +254,14 @@ class ShardIndex:
         start, end = self.table[i, :2]
         return shard, int(start), int(end)
 
-    def local_path(self, shard: int) -> str:
-        """The file to read shard `shard` from: the shard itself, or a remote shard's copy in the cache (downloaded
-        first if needed; `data.remote.ShardChanged` if it is no longer the version indexed, `RemoteReadError` if it
-        cannot be fetched)."""
+    def open(self, shard: int) -> int:
+        """A read-only file descriptor of shard `shard`: the shard itself, or a remote shard's copy in the cache
+        (downloaded first if needed; `data.remote.ShardChanged` if it is no longer the version indexed,
+        `RemoteReadError` if it cannot be fetched)."""
         entry = self.shardlist[shard]
         if not is_indexable_remote(entry["url"]):
-            return entry["url"]
-        return self.cache.path(entry["url"], {"filesize": entry["filesize"], "etag": entry["etag"]})
+            return os.open(entry["url"], os.O_RDONLY)
+        return self.cache.open(entry["url"], {"filesize": entry["filesize"], "etag": entry["etag"]})
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -340,6 +351,18 @@ def load_or_build_index(
             break
 
     stats = _stats(paths)
+    # remote shards to scan: downloaded and scanned in parallel (a store serves several requests at once)
+    remote_todo = [p for p in paths if is_indexable_remote(p) and not isinstance(stats[p], OSError)
+                   and not _unchanged(cached.get(p), stats[p])]
+
+    def scan_remote(path: str) -> tuple[np.ndarray, str | None] | OSError:
+        try:
+            return _scan_tar(cache.open(path, stats[path]))
+        except OSError as exn:
+            return exn
+
+    with ThreadPoolExecutor(REMOTE_SCANS) as pool:
+        remote_scans = dict(zip(remote_todo, pool.map(scan_remote, remote_todo)))
     shardlist: list[dict[str, Any]] = []
     parts: list[np.ndarray] = []
     rescanned: list[str] = []
@@ -349,12 +372,15 @@ def load_or_build_index(
             if isinstance(stat, OSError):
                 raise stat
             entry = cached.get(path)
-            if entry is not None and all(entry.get(k) == v for k, v in stat.items()):
+            if _unchanged(entry, stat):
                 spans = np.asarray(entry["spans"])
                 note = entry.get("error")
             else:
                 rescanned.append(path)
-                spans, note = _scan_tar(cache.path(path, stat) if is_indexable_remote(path) else path)
+                scanned = remote_scans[path] if path in remote_scans else _scan_tar(path)
+                if isinstance(scanned, OSError):
+                    raise scanned
+                spans, note = scanned
                 if note is not None:
                     log.warning("shard %s: %s (%s); using the %d samples before the damage", path, CORRUPT_TAR,
                                 note[:200], len(spans))

@@ -37,7 +37,7 @@ from .buckets import assign_buckets, bucket_sizes
 from .decode import DecodeSamples, collate as collate_samples
 from .index import ShardIndex, load_or_build_index, parse_sample
 from .order import BucketBatchSampler, IndexedBatchSampler
-from .remote import RemoteReadError, ShardCache
+from .remote import RemoteReadError, ShardCache, is_indexable_remote
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples, ReaderStats, counts_since, too_small_advice
 from .streaming import check_loader_args
 from .weighted import StreamBatchSampler, WeightedBucketSampler
@@ -115,10 +115,16 @@ class IndexedShards(torch.utils.data.Dataset):
 
     def _fd(self, shard: int) -> int:
         fd = self._fds.get(shard)
-        if fd is None:
+        if fd is None or (is_indexable_remote(self.index.urls[shard]) and os.fstat(fd).st_nlink == 0):
+            # a shard to open, or a remote shard's copy the cache evicted (fetched again: its disk space stays taken
+            # while it is open). Copies of other shards that the cache evicted are closed now, so that this process
+            # holds no more disk than the cache's limit and the shard it reads
+            for other, held in list(self._fds.items()):
+                if other == shard or (is_indexable_remote(self.index.urls[other]) and os.fstat(held).st_nlink == 0):
+                    os.close(self._fds.pop(other))
             if len(self._fds) >= MAX_OPEN_SHARDS:
                 os.close(self._fds.popitem(last=False)[1])
-            fd = os.open(self.index.local_path(shard), os.O_RDONLY)
+            fd = self.index.open(shard)
             if not S_ISREG(os.fstat(fd).st_mode):  # e.g. a directory now stands where the shard was
                 os.close(fd)
                 raise IsADirectoryError(errno.EISDIR, "not a regular file", self.index.urls[shard])

@@ -233,6 +233,17 @@ class ShardCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return final
 
+    def open(self, url: str, fingerprint: dict[str, Any]) -> int:
+        """A read-only file descriptor of `path(url, fingerprint)`; fetched again if another process evicted it
+        between its download and this open."""
+        for _ in range(RETRIES):
+            try:
+                return os.open(self.path(url, fingerprint), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+        raise RemoteReadError(f"{url}: evicted from {self.folder} {RETRIES} times before it could be opened: raise "
+                              f"data.cache_limit")
+
     def evict(self, keep: str = "") -> list[str]:
         """Delete the least recently used shards until the rest fit the limit (never `keep`); the deleted paths.
         Leftover partial downloads of killed processes go too."""

@@ -93,10 +93,19 @@ def test_a_cache_smaller_than_the_set_evicts_the_least_recent_and_still_reads_th
     urls = s3.upload("shards", "small-cache", local)
     limit = 2 * os.path.getsize(local[0]) + 100
     cache = ShardCache(tmp_path / "cache", limit=limit)
-    _, got = batches(urls, cache, n=12)
+    loader, got = batches(urls, cache, n=12)
     assert same(got, batches(local, n=12)[1])
     held = [e for e in os.scandir(cache.folder) if e.is_file() and e.name.endswith(".tar")]
     assert 1 <= len(held) <= 2 and sum(e.stat().st_size for e in held) <= limit
+    # nor does the reader hold evicted copies open (their disk space would stay taken): at most the one it reads
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the descriptor listdir itself used
+            pass
+    assert len([link for link in links if link.startswith(cache.folder) and link.endswith("(deleted)")]) <= 1
+    assert loader.dataset._fds
     assert sum(s3.faults.gets(os.path.basename(p)) for p in local) > SHARDS  # evicted shards came back
 
 
@@ -148,8 +157,11 @@ def test_a_shard_replaced_in_place_is_refused_then_reindexed(local, s3, tmp_path
     other = write_synthetic_shards(tmp_path / "other", num_samples=4, samples_per_shard=4, resolution=RES, seed=9)
     os.rename(other[0], tmp_path / os.path.basename(local[2]))
     s3.upload("shards", "replaced", [str(tmp_path / os.path.basename(local[2]))])
+    for entry in os.scandir(cache.folder):  # a copy of the old version still in the cache would be read: it is
+        if entry.is_file():                 # what the old index describes; without it the store is asked
+            os.remove(entry.path)
     with pytest.raises(ShardChanged, match="changed since it was indexed.*restart the run to re-index it"):
-        first.local_path(2)  # the old index never reads the new bytes
+        first.open(2)  # the old index never reads the new bytes
     loader, got = batches(first, n=8)
     assert loader.stats.shards_bad == {UNREADABLE_SHARD: 1}
     again = load_or_build_index(urls, cache=cache)
