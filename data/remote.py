@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any, Callable, TypeVar
 
@@ -42,6 +43,7 @@ RETRIES = 5  # attempts of one request before it counts as failed
 BACKOFF_S = 0.2  # first wait between attempts; doubled after each
 BACKOFF_MAX_S = 5.0
 T = TypeVar("T")
+_COUNTS = threading.Lock()  # the download counters of caches that index threads share
 
 
 class RemoteReadError(OSError):
@@ -184,7 +186,7 @@ def _download(url: str, dest: str, expected: dict[str, Any]) -> None:
 class ShardCache:
     """Whole remote shards in `folder`, at most `limit` bytes together (0: no limit); `path(url, fingerprint)` is
     the local file of that version of the shard, downloaded first if needed. Picklable (DataLoader workers share
-    the folder, not the object). `downloaded` counts this process's downloads and their bytes."""
+    the folder, not the object). `downloads` and `bytes_downloaded` count what this process downloaded."""
 
     def __init__(self, folder: str | os.PathLike | None = None, limit: int | str = 0):
         self.folder = os.fspath(folder) if folder else default_cache_dir()
@@ -226,8 +228,9 @@ class ShardCache:
                     finally:
                         if os.path.exists(part):
                             os.remove(part)
-                    self.downloads += 1
-                    self.bytes_downloaded += int(fingerprint["filesize"])
+                    with _COUNTS:
+                        self.downloads += 1
+                        self.bytes_downloaded += int(fingerprint["filesize"])
                     self.evict(keep=final)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -269,9 +272,9 @@ class ShardCache:
             if _remove(path):
                 gone.append(path)
                 total -= size
-        if total > self.limit:
+        if keep and os.path.getsize(keep) > self.limit:
             log.warning("data.cache_limit=%d bytes holds less than one shard (%s, %d bytes): raise it", self.limit,
-                        keep, total)
+                        keep, os.path.getsize(keep))
         return gone
 
 

@@ -85,15 +85,17 @@ class S3Server:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
-
     def upload(self, bucket: str, prefix: str, paths: list[str]) -> list[str]:
         """`paths` put under s3://bucket/prefix/ (the bucket made if needed); their s3:// URLs."""
-        client = self.client()
+        return self.upload_to(self.endpoint, bucket, prefix, paths)
+
+    @staticmethod
+    def upload_to(endpoint: str, bucket: str, prefix: str, paths: list[str]) -> list[str]:
+        """`upload` to the server at `endpoint` (one in another process)."""
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                              aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
         if bucket not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
             client.create_bucket(Bucket=bucket)
         urls = []

@@ -1,5 +1,6 @@
 """The benchmark scripts stay runnable: each runs its smallest mode and prints its table (no timing asserted)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -39,7 +40,6 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_loader_throughput_smoke_mode_reports_consistent_rates_and_ratios(tmp_path):
-    import json
     import statistics
 
     results = tmp_path / "results.json"
@@ -160,3 +160,21 @@ def test_loader_throughput_weighted_stream_is_timed_against_the_uniform_order(tm
     plans = list((tmp_path / "cache").glob("plan-*/draws.json"))
     assert len(plans) == 1
     assert [s["share"] for s in json.loads(plans[0].read_text())["sources"]] == pytest.approx([0.3, 0.7])
+
+
+@pytest.mark.slow
+def test_remote_loader_reads_each_design_and_counts_its_downloads(tmp_path):
+    out = tmp_path / "remote.json"
+    printed = run("remote_loader.py", "--samples", "32", "--samples-per-shard", "8", "--repeats", "1",
+                  "--latency-ms", "0", "--windows", "1", "--data", str(tmp_path / "features"), "--out", str(out))
+    assert "4 shards, 32 samples" in printed
+    rows = {r["design"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["raw", "indexed, cold cache", "indexed, warm cache", "small cache, global shuffle",
+                          "small cache, window 1"]
+    size = rows["raw"]["mb_per_sample"]
+    assert rows["indexed, cold cache"]["mb_per_sample"] == size  # each shard once: the index pass
+    assert rows["indexed, warm cache"]["mb_per_sample"] == 0
+    # a cache of one shard: the window reads each shard about once more, the global shuffle far more often
+    assert size < rows["small cache, window 1"]["mb_per_sample"] < rows["small cache, global shuffle"]["mb_per_sample"]
+    assert rows["small cache, window 1"]["shuffle_quality"] < rows["small cache, global shuffle"]["shuffle_quality"]
+    assert all(r["samples_per_s"] > 0 for r in rows.values())
