@@ -30,9 +30,10 @@ class DataConfig:
     # from here. None = ~/.cache/imba-dit/shards
     cache_dir: str | None = None
     cache_limit: str = "0"
-    # > 0: the plain indexed order reads this many shards at a time (shards shuffled, then samples within each window
-    # of them), so a cache smaller than the set downloads each shard about once an epoch; 0 = one shuffle over all
-    # samples (bench/README.md#shards-on-object-storage measures the trade)
+    # > 0: the indexed order (plain, or weighted by data.sources and an offline data.balance) reads this many shards
+    # at a time (shards shuffled, then the draws within each window of them), so a cache smaller than the set
+    # downloads each shard about once an epoch; 0 = one shuffle over all samples
+    # (bench/README.md#shards-on-object-storage measures the trade)
     shard_window: int = 0
     resolution: int = 128  # images are resized and centre-cropped to this square size
     batch_size: int = 32  # per process, per micro-step
@@ -128,7 +129,9 @@ class DataConfig:
             raise ValueError("data.sources and data.balance need indexed reading: the streaming reader cannot draw "
                              "by weight and resume exactly; set data.mode=auto or indexed")
         parse_size(self.cache_limit)
-        if self.shard_window and (self.weighted() or self.bucketing or self.mode == "streaming"):
-            raise ValueError("data.shard_window orders the plain indexed stream: the weighted stream (data.sources, "
-                             "data.balance), aspect-ratio buckets and the streaming reader draw from every shard; set "
-                             "data.shard_window=0")
+        unwindowed = [name for name, on in (("online balancing", self.balance.ONLINE),
+                                            ("aspect-ratio bucketing", self.bucketing),
+                                            ("the streaming reader", self.mode == "streaming")) if on]
+        if self.shard_window and unwindowed:
+            raise ValueError(f"data.shard_window orders the indexed stream, plain or weighted offline: "
+                             f"{unwindowed[0]} draws from every shard; set data.shard_window=0")

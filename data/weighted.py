@@ -26,6 +26,12 @@ uninterrupted 2-process run would have drawn, concatenated. Batch t costs O(B lo
 an epoch's first batch also builds that epoch's cumulative sums, O(N) time and 8 bytes per sample (kept for two
 epochs, since a batch may straddle them).
 
+Shard windows (`shard_sizes`, `window=k > 0`), for shards read through a cache smaller than the set: π_e is made
+of windows instead of one permutation: the shards are shuffled and cut into groups of k, each group's samples are
+shuffled among themselves, and the groups follow one another. A window owns the draw slots whose points fall in its
+samples' units, and σ_e permutes slots within each window only, so the epoch reads window after window, at most k
+shards at a time. Each sample is still drawn the floor or ceiling of its expected draws; only the order is local.
+
 Aspect-ratio buckets (`WeightedBucketSampler`): each bucket draws its share of the epoch from its own weighted
 order, and single-bucket batches of all buckets are shuffled together, as `data.order.BucketBatchSampler` does
 for the uniform order; a bucket whose share of an epoch is less than one batch is not drawn.
@@ -95,29 +101,66 @@ class WeightedOrder:
     """The stream of sample indices for integer weights `units` (see the module doc): `samples(positions)` maps
     stream positions to samples, `epoch_counts(e)` tells how often each sample is drawn in epoch e."""
 
-    def __init__(self, units: np.ndarray | Sequence[int], samples_per_epoch: int, seed: int = 0):
+    def __init__(self, units: np.ndarray | Sequence[int], samples_per_epoch: int, seed: int = 0,
+                 shard_sizes: Sequence[int] | None = None, window: int = 0):
         units = np.asarray(units, dtype=np.int64).reshape(-1)
         if units.size == 0 or samples_per_epoch < 1:
             raise ValueError(f"need samples and samples_per_epoch >= 1 (got {units.size}, {samples_per_epoch})")
         if units.min() < 0 or units.sum() != samples_per_epoch * UNIT:
             raise ValueError(f"units must be >= 0 and sum to samples_per_epoch * UNIT "
                              f"({samples_per_epoch} * {UNIT}); make them with expected_draws_to_units")
+        if window < 0 or (window and (shard_sizes is None or sum(shard_sizes) != units.size)):
+            raise ValueError(f"a shard window needs window >= 0 and shard sizes that sum to the {units.size} samples")
         self.units = units
         self.num_samples = int(units.size)
         self.samples_per_epoch = int(samples_per_epoch)
         self.seed = seed
-        self._epochs: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self.window = int(window)
+        self.shard_starts = None if not window else np.concatenate([[0], np.cumsum(shard_sizes, dtype=np.int64)])
+        self._epochs: collections.OrderedDict[int, tuple] = collections.OrderedDict()
 
-    def _cumulative(self, epoch: int) -> np.ndarray:
-        """C_j: the units of π_e(0..j) summed, for epoch `epoch` (cached for the last two epochs)."""
-        cum = self._epochs.get(epoch)
-        if cum is None:
-            order = feistel_permute(np.arange(self.num_samples), self.num_samples, "weighted-draw", self.seed, epoch)
-            cum = np.cumsum(self.units[order])
-            self._epochs[epoch] = cum
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(C, π_e as an array, the windows' first slots) of epoch `epoch`: C_j is the units of π_e(0..j) summed;
+        the array and the slots exist with a shard window only (cached for the last two epochs)."""
+        found = self._epochs.get(epoch)
+        if found is None:
+            if self.window:
+                order, starts = self._windowed_permutation(epoch)
+                found = (np.cumsum(self.units[order]), order, starts)
+            else:
+                order = feistel_permute(np.arange(self.num_samples), self.num_samples, "weighted-draw", self.seed,
+                                        epoch)
+                found = (np.cumsum(self.units[order]), None, None)
+            self._epochs[epoch] = found
             while len(self._epochs) > 2:
                 self._epochs.popitem(last=False)
-        return cum
+        return found
+
+    def _windowed_permutation(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """π_e with a shard window: the shards shuffled and cut into windows of `window` shards; each window's
+        samples shuffled among themselves; the windows one after the other. With it, the first draw slot of each
+        window (and S at the end)."""
+        starts = self.shard_starts
+        shards = feistel_permute(np.arange(len(starts) - 1), len(starts) - 1, "weighted-shards", self.seed, epoch)
+        parts, ends = [], []
+        for w, first in enumerate(range(0, len(shards), self.window)):
+            members = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards[first:first + self.window]])
+            parts.append(members[feistel_permute(np.arange(members.size), members.size, "weighted-window", self.seed,
+                                                 epoch, w)])
+            ends.append(sum(p.size for p in parts))
+        order = np.concatenate(parts)
+        # window w owns the draw slots q whose point q * UNIT + u_e falls in its units: [first[w], first[w + 1])
+        edges = np.cumsum(self.units[order])[np.asarray(ends) - 1]
+        first = np.clip(-(-(edges - self._offset(epoch)) // UNIT), 0, self.samples_per_epoch)
+        return order, np.concatenate([[0], first])
+
+    def _cumulative(self, epoch: int) -> np.ndarray:
+        return self._epoch(epoch)[0]
+
+    def _sample(self, epoch: int, j: np.ndarray) -> np.ndarray:
+        """π_e(j): the sample at place j of epoch `epoch`'s permutation."""
+        order = self._epoch(epoch)[1]
+        return feistel_permute(j, self.num_samples, "weighted-draw", self.seed, epoch) if order is None else order[j]
 
     def _offset(self, epoch: int) -> int:
         return derive_seed("weighted-offset", self.seed, epoch) % UNIT
@@ -125,8 +168,21 @@ class WeightedOrder:
     def epoch_slots(self, epoch: int, slots: np.ndarray) -> np.ndarray:
         """The samples at draw slots `slots` of epoch `epoch` (slot order: samples in π_e order, repeats adjacent)."""
         points = np.asarray(slots, dtype=np.int64) * UNIT + self._offset(epoch)
-        j = np.searchsorted(self._cumulative(epoch), points, side="right")
-        return feistel_permute(j, self.num_samples, "weighted-draw", self.seed, epoch)
+        return self._sample(epoch, np.searchsorted(self._cumulative(epoch), points, side="right"))
+
+    def _slots(self, epoch: int, places: np.ndarray) -> np.ndarray:
+        """σ_e(places): which draw slot each place of the epoch reads. Without a window one permutation of all S
+        slots; with one, each window's slots are permuted among themselves and read window after window."""
+        if not self.window:
+            return feistel_permute(places, self.samples_per_epoch, "weighted-slots", self.seed, epoch)
+        starts = self._epoch(epoch)[2]
+        window = np.searchsorted(starts, places, side="right") - 1
+        out = np.empty_like(places)
+        for w in np.unique(window):
+            sel = window == w
+            a, b = int(starts[w]), int(starts[w + 1])
+            out[sel] = a + feistel_permute(places[sel] - a, b - a, "weighted-window-slots", self.seed, epoch, int(w))
+        return out
 
     def samples(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
         """Sample indices at stream positions `positions` (any non-negative ints)."""
@@ -135,17 +191,14 @@ class WeightedOrder:
         epochs = pos // self.samples_per_epoch
         for epoch in np.unique(epochs):
             sel = epochs == epoch
-            slots = feistel_permute(pos[sel] - epoch * self.samples_per_epoch, self.samples_per_epoch,
-                                    "weighted-slots", self.seed, int(epoch))
+            slots = self._slots(int(epoch), pos[sel] - epoch * self.samples_per_epoch)
             out[sel] = self.epoch_slots(int(epoch), slots)
         return out
 
     def epoch_counts(self, epoch: int) -> np.ndarray:
         """How many times each sample is drawn in epoch `epoch` (sums to samples_per_epoch)."""
-        points = np.arange(self.samples_per_epoch, dtype=np.int64) * UNIT + self._offset(epoch)
-        j = np.searchsorted(self._cumulative(epoch), points, side="right")
-        sample = feistel_permute(j, self.num_samples, "weighted-draw", self.seed, epoch)
-        return np.bincount(sample, minlength=self.num_samples)
+        return np.bincount(self.epoch_slots(epoch, np.arange(self.samples_per_epoch, dtype=np.int64)),
+                           minlength=self.num_samples)
 
     def expected_draws(self) -> np.ndarray:
         """Each sample's expected draws per epoch (float)."""

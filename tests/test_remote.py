@@ -214,5 +214,9 @@ def test_the_cache_and_window_settings_are_read_and_checked_at_load(tmp_path):
     assert ShardCache().folder.endswith(os.path.join(".cache", "imba-dit", "shards"))
     with pytest.raises(ConfigError, match="data.cache_limit: 'much' is not a size"):
         load_config(["data.cache_limit=much"])
-    with pytest.raises(ConfigError, match="data.shard_window orders the plain indexed stream"):
-        load_config(["data.shard_window=2", "data.balance=temperature"])
+    assert load_config(["data.shard_window=2", "data.balance=temperature"]).data.shard_window == 2
+    with pytest.raises(ConfigError, match="data.shard_window orders the indexed stream, plain or weighted offline: "
+                                          "online balancing draws from every shard"):
+        load_config(["data.shard_window=2", "data.balance=imba"])
+    with pytest.raises(ConfigError, match="aspect-ratio bucketing draws"):
+        load_config(["data.shard_window=2", "data.bucketing=true"])

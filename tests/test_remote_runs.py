@@ -1,8 +1,10 @@
-"""Real runs of train.py on a mix of a local source and one on an S3 server on 127.0.0.1 (moto), balanced by concepts:
-2 processes, then 1, killed with SIGKILL after a checkpoint and resumed, train on the samples one uninterrupted
-process draws; each remote shard is downloaded once while it fits the cache; no credential is written anywhere."""
+"""Real runs of train.py on a mix of a local source and one on an S3 server on 127.0.0.1 (moto), balanced by concepts
+and read two shards at a time: 2 processes, then 1, killed with SIGKILL after a checkpoint and resumed, end with the
+parameters of the same runs without the kill and train on the samples one uninterrupted process draws; each remote
+shard is downloaded once while it fits the cache; no credential is written anywhere."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,7 +46,7 @@ def run_args(big: Path, out: Path, cache: Path, *extra: str) -> list[str]:
     return [str(REPO / "train.py"), f"train.output_dir={out}", *COMMON, "data.precompute=false",
             f"data.sources=[{{shards: {big}, share: 0.7, name: big}}, {{shards: 's3://features/small/*.tar', "
             f"share: 0.3, name: small}}]", "data.epoch_samples=10", "data.balance=temperature",
-            f"data.cache_dir={cache}", "data.record_draws=true", *extra]
+            f"data.cache_dir={cache}", "data.record_draws=true", "data.shard_window=2", *extra]
 
 
 def env(server: S3Server) -> dict:
@@ -71,6 +73,8 @@ def test_a_local_and_an_s3_source_balanced_on_2_then_1_process_with_a_kill_train
     assert "small: 10 samples, 30.0% of the draws" in two and "balanced by concepts" in two
     ranks = digests(two)
     assert set(ranks) == {0, 1} and ranks[0] == ranks[1]
+    uninterrupted = tmp_path / "uninterrupted"  # the same 2-process start, then 1 process with no kill
+    shutil.copytree(out, uninterrupted)
     killed, k = kill_after_checkpoint(run_args(big, out, cache, "train.max_steps=40", "train.save_every=5"),
                                       tmp_path, out, 5)
     assert killed == -signal.SIGKILL
@@ -79,6 +83,8 @@ def test_a_local_and_an_s3_source_balanced_on_2_then_1_process_with_a_kill_train
     assert f"data: the stream continues after {position} samples" in resumed
     stream = global_stream(out, 2)
     assert len(stream) == position + 4
+    chain = run(run_args(big, uninterrupted, cache, f"train.max_steps={k + 2}"), tmp_path, server)
+    assert digests(resumed) == digests(chain)  # killed and resumed: the uninterrupted run's parameters, bitwise
 
     full = tmp_path / "full"
     run(run_args(big, full, cache, f"train.max_steps={(position + 4) // 2}"), tmp_path, server)

@@ -379,3 +379,35 @@ def test_a_segment_at_the_start_of_another_replaces_it_and_old_segments_are_drop
         order.add(-1, base)
     with pytest.raises(ValueError, match="a segment of 5 samples in a stream of 6"):
         order.add(50, expected_draws_to_units(np.ones(5), 6))
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_shard_window_reads_few_shards_at_a_time_and_keeps_every_epochs_draws(window):
+    rng = np.random.default_rng(1)
+    sizes = [7, 12, 5, 9, 11, 3, 8]  # 55 samples in 7 shards
+    expected = rng.pareto(1.5, 55) + 0.05
+    units = expected_draws_to_units(expected, 80)
+    plain = WeightedOrder(units, 80, seed=4)
+    order = WeightedOrder(units, 80, seed=4, shard_sizes=sizes, window=window)
+    starts = np.cumsum([0, *sizes])
+    e = order.expected_draws()
+    for epoch in range(4):
+        counts = order.epoch_counts(epoch)
+        assert counts.sum() == 80 and np.all((counts == np.floor(e)) | (counts == np.ceil(e)))
+        drawn = order.samples(np.arange(epoch * 80, (epoch + 1) * 80))
+        assert np.array_equal(np.bincount(drawn, minlength=55), counts)  # the epoch reads exactly its draws
+        shard = np.searchsorted(starts, drawn, side="right") - 1
+        # read in order, at most `window` shards are open at any position (met before it and again after it), so a
+        # cache of `window` shards downloads each shard once an epoch
+        first = {s: int(np.argmax(shard == s)) for s in set(shard)}
+        last = {s: len(shard) - 1 - int(np.argmax(shard[::-1] == s)) for s in set(shard)}
+        assert max(sum(first[s] <= p <= last[s] for s in first) for p in range(len(shard))) <= window
+        if window == 1:
+            assert len(set(shard)) > 1  # and more than one shard is read in the epoch
+    assert not np.array_equal(order.samples(np.arange(80)), plain.samples(np.arange(80)))
+    # one stream for every process count
+    single = order.samples(np.arange(0, 48))
+    ranks = [StreamBatchSampler(order, 4, rank=r, world_size=3) for r in range(3)]
+    assert [i for t in range(4) for r in ranks for i in r.batch_indices(t)] == single.tolist()
+    with pytest.raises(ValueError, match="a shard window needs"):
+        WeightedOrder(units, 80, shard_sizes=[50], window=2)

@@ -224,9 +224,10 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], po
                                             d.batch_size, seed=cfg.train.seed, **where)
             accelerator.print(f"data: aspect-ratio buckets, draws per epoch: {sampler.describe()}")
         else:
-            plan, _, _ = draw_plan(cfg, accelerator, sources)
-            sampler = StreamBatchSampler(WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed),
-                                         d.batch_size, **where)
+            plan, index, _ = draw_plan(cfg, accelerator, sources)
+            order = WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed, shard_sizes=index.nsamples,
+                                  window=d.shard_window)
+            sampler = StreamBatchSampler(order, d.batch_size, **where)
         if step:
             accelerator.print(f"data: the stream continues after {position.describe()}, epoch "
                               f"{where['samples_done'] / plan.samples_per_epoch:.2f}")
