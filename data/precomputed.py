@@ -176,9 +176,9 @@ def _npy_header(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 def _manifest_path(where: str | os.PathLike | Sequence[str]) -> str:
-    first = expand_urls(where)[0]
-    if is_indexable_remote(first):
-        return first.rsplit("/", 1)[0] + "/" + MANIFEST_NAME
+    spec = where if isinstance(where, (str, os.PathLike)) else next(iter(where), "")
+    if is_indexable_remote(os.fspath(spec)):  # the manifest beside the first shard on the store
+        return expand_urls(where)[0].rsplit("/", 1)[0] + "/" + MANIFEST_NAME
     if isinstance(where, (str, os.PathLike)):
         where = os.path.expanduser(os.fspath(where))
         if os.path.isfile(where) and where.endswith(".json"):

@@ -145,7 +145,8 @@ def valid_override(draw) -> tuple[str, str, typing.Any]:
         weight = {"": {}, ", share: 0.5": {"share": 0.5}, ", repeat: 2": {"repeat": 2.0}, ", choose: 7": {"choose": 7}}
         return key, text, [SourceConfig(shards=x, **weight[share]) for x in shards]
     named = {"train.trackers": ["none", "tensorboard", "tensorboard,wandb", "all"],
-             "objective.beta_schedule": ["linear", "scaled_linear", "squaredcos_cap_v2"]}
+             "objective.beta_schedule": ["linear", "scaled_linear", "squaredcos_cap_v2"],
+             "data.cache_limit": ["0", "200GB", "500 MiB", "1.5kb", "7"]}
     if key in named:
         value = draw(st.sampled_from(named[key]))
         return key, value, value
