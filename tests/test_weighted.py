@@ -411,3 +411,15 @@ def test_a_shard_window_reads_few_shards_at_a_time_and_keeps_every_epochs_draws(
     assert [i for t in range(4) for r in ranks for i in r.batch_indices(t)] == single.tolist()
     with pytest.raises(ValueError, match="a shard window needs"):
         WeightedOrder(units, 80, shard_sizes=[50], window=2)
+
+
+def test_a_windowed_stream_is_the_same_in_every_version_and_moves_with_the_seed_and_the_epoch():
+    # pinned: a resumed run (or another version of this code) must draw these; the windows are {2, 0} then {1, 3}
+    units = expected_draws_to_units(np.linspace(0.2, 2, 18), 24)
+    order = WeightedOrder(units, 24, seed=3, shard_sizes=[4, 6, 5, 3], window=2)
+    assert order.samples(np.arange(48)).tolist() == [
+        11, 12, 12, 1, 14, 11, 10, 13, 14, 13, 9, 17, 17, 15, 16, 9, 4, 6, 15, 8, 16, 7, 5, 8,
+        11, 5, 6, 12, 11, 14, 6, 9, 14, 8, 13, 12, 7, 4, 10, 3, 1, 16, 2, 15, 17, 17, 16, 15]
+    other = WeightedOrder(units, 24, seed=4, shard_sizes=[4, 6, 5, 3], window=2)
+    assert other.samples(np.arange(24)).tolist() == [
+        14, 10, 17, 17, 12, 13, 12, 15, 16, 13, 16, 15, 14, 10, 11, 9, 2, 6, 5, 7, 9, 4, 1, 8]
