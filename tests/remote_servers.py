@@ -21,13 +21,15 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "imba-test-key", "AWS_SECRET_ACCESS_KEY": "i
 class Faults:
     """What the server does to requests: `drop` a share of them (S3: 503 SlowDown; HTTP: the connection closed
     without an answer), drop the `first` requests to each path (more than a client's own retries absorb), fail every
-    request whose path contains one of `broken`, wait `delay_s` before each answer.
+    request whose path contains one of `broken`, wait `delay_s` before each answer and `trickle_s` between each 64 kB
+    of a GET's body (S3 only: a download that lasts).
     `requests` counts the answered ones by (method, path), `bytes_sent` the bodies of GETs (S3 only)."""
 
     drop: float = 0.0
     first: int = 0
     broken: tuple[str, ...] = ()
     delay_s: float = 0.0
+    trickle_s: float = 0.0
     seed: int = 0
     requests: collections.Counter = field(default_factory=collections.Counter)
     bytes_sent: int = 0
@@ -75,8 +77,11 @@ class S3Server:
                 return [] if environ["REQUEST_METHOD"] == "HEAD" else [b"<Error><Code>SlowDown</Code></Error>"]
             body = moto(environ, start_response)
             if environ["REQUEST_METHOD"] == "GET":
-                body = list(body)
-                self.faults.bytes_sent += sum(len(b) for b in body)
+                body = b"".join(body)
+                self.faults.bytes_sent += len(body)
+                if self.faults.trickle_s:
+                    return self._trickle(body)
+                return [body]
             return body
 
         self._server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
@@ -84,6 +89,11 @@ class S3Server:
         self.env = {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
+
+    def _trickle(self, body: bytes):
+        for start in range(0, len(body), 1 << 16):
+            yield body[start:start + (1 << 16)]
+            time.sleep(self.faults.trickle_s)
 
     def upload(self, bucket: str, prefix: str, paths: list[str]) -> list[str]:
         """`paths` put under s3://bucket/prefix/ (the bucket made if needed); their s3:// URLs."""

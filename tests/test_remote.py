@@ -6,6 +6,11 @@ import itertools
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import s3fs
@@ -20,6 +25,7 @@ from data.synthetic import write_synthetic_shards
 from data.urls import expand_urls
 from remote_servers import CREDENTIALS, Faults, HTTPServer, S3Server
 
+REPO = Path(__file__).resolve().parents[1]
 RES = 32
 SHARDS = 4
 
@@ -168,21 +174,6 @@ def test_a_shard_replaced_in_place_is_refused_then_reindexed(local, s3, tmp_path
     assert again.rescanned == [urls[2]] and again.nsamples[2] == 4
 
 
-def test_a_download_killed_half_way_is_never_served_and_is_cleaned_up(local, s3, tmp_path):
-    url = s3.upload("shards", "killed", local[:1])[0]
-    cache = ShardCache(tmp_path / "cache", limit="1GB")
-    fingerprint = remote.stat(url)
-    final = cache._name(url, fingerprint)
-    os.makedirs(cache.folder)
-    dead = 2 ** 22 + 12345  # above the default pid_max: no such process
-    with open(f"{final}.part-{dead}", "wb") as f:
-        f.write(b"half a shard")
-    assert not cache.cached(url, fingerprint)
-    path = cache.path(url, fingerprint)
-    assert open(path, "rb").read() == open(local[0], "rb").read()
-    assert sorted(os.listdir(cache.folder)) == sorted([os.path.basename(final), os.path.basename(final) + ".lock"])
-
-
 def test_credentials_stay_in_the_environment(local, s3, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     urls = s3.upload("shards", "secret", local)
@@ -220,3 +211,26 @@ def test_the_cache_and_window_settings_are_read_and_checked_at_load(tmp_path):
         load_config(["data.shard_window=2", "data.balance=imba"])
     with pytest.raises(ConfigError, match="aspect-ratio bucketing draws"):
         load_config(["data.shard_window=2", "data.bucketing=true"])
+
+
+def test_a_process_killed_during_a_download_leaves_nothing_a_reader_would_open(local, s3, tmp_path):
+    s3.faults.trickle_s = 0.05  # 64 kB every 50 ms: the 800 kB below take 0.65 s, long enough to be killed in
+    big = tmp_path / "big.tar"
+    big.write_bytes(open(local[0], "rb").read() * 40)
+    url = s3.upload("shards", "kill9", [str(big)])[0]
+    folder = tmp_path / "cache"
+    script = ("import sys; from data.remote import ShardCache, stat; "
+              f"ShardCache({str(folder)!r}).path({url!r}, stat({url!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=os.environ.copy())
+    deadline = time.monotonic() + 30
+    while not any(".part-" in name for name in (os.listdir(folder) if folder.is_dir() else [])):
+        assert proc.poll() is None and time.monotonic() < deadline, "the download never started"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    cache = ShardCache(folder, limit="1GB")
+    fingerprint = remote.stat(url)
+    assert not cache.cached(url, fingerprint)  # the partial file is not the shard
+    s3.faults.trickle_s = 0
+    assert open(cache.path(url, fingerprint), "rb").read() == big.read_bytes()
+    assert not [name for name in os.listdir(folder) if ".part-" in name]  # the dead process's partial file went
