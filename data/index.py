@@ -1,4 +1,4 @@
-"""The index of local img2dataset-layout tar shards: where every sample lies, and how big its image is.
+"""The index of img2dataset-layout tar shards: where every sample lies, and how big its image is.
 
 Each shard is scanned once (tar headers, plus the header of each image, read by PIL without decoding; other
 data blocks are seeked over): a sample is a run of consecutive regular members with the same key (`key.ext`, key =
@@ -11,7 +11,9 @@ by every reader; `imba-index-<hash>.json` lists the shards in the wids shard-lis
 `index_dir`; or under ~/.cache/imba-dit/indexed when the shard folder is read-only). On the next run a shard whose
 size and mtime are unchanged is not rescanned; changed shards are rescanned and a new index is written (atomically:
 ranks building the same index at the same time write identical files). Reading sample i is one `pread` of its span,
-parsed as a small tar (`parse_sample`). Shards must be local, uncompressed tar files.
+parsed as a small tar (`parse_sample`). Shards must be uncompressed tar files: local ones, or s3://, gs://, http(s)://
+ones (`data.remote`), which are scanned from their download into the shard cache, fingerprinted by size and ETag
+instead of mtime, indexed in the cache's `index/` folder, and read from the cache.
 
 A truncated or corrupt tar keeps the samples before the damage (noted in the index as the shard's "error", counted
 when a loader is built); a shard that cannot be opened at indexing time contributes no samples (and is rescanned
@@ -35,8 +37,8 @@ from PIL import Image
 from .files import atomic_write, read_json_object, write_json
 from .images import IMAGE_EXTENSIONS
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD
-from .tars import split_key_ext, walk_tar_buffer
 from .remote import ShardCache, is_indexable_remote, stat as remote_stat
+from .tars import split_key_ext, walk_tar_buffer
 from .urls import expand_urls, is_remote
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "load_or_build_index", "parse_sample"]
@@ -82,19 +84,20 @@ def _image_size(tf: tarfile.TarFile, info: tarfile.TarInfo) -> tuple[int, int]:
         return 0, 0
 
 
-def _scan_tar(path: str | int) -> tuple[np.ndarray, str | None]:
+def _scan_tar(path: str | int, name: str = "") -> tuple[np.ndarray, str | None]:
     """Table (n, 4) of the samples of one tar shard — byte start, byte end, image width, image height — and an
     error note if it could not be read to the end.
 
     The size is that of the image member the reader decodes (the first of IMAGE_EXTENSIONS the sample has);
     (0, 0) when it has none or its header cannot be read. A truncated or corrupt shard keeps the samples read
-    before the damage (their spans lie inside the file). `path` may be an open file descriptor (closed here).
+    before the damage (their spans lie inside the file). `path` may be an open file descriptor (closed here), named
+    `name` in messages.
     """
     with open(path, "rb") as f:
-        return _scan_file(f, path)
+        return _scan_file(f, name or str(path))
 
 
-def _scan_file(f, path: str | int) -> tuple[np.ndarray, str | None]:
+def _scan_file(f, path: str) -> tuple[np.ndarray, str | None]:
     compression = _compression(f)
     if compression is not None:
         raise ValueError(
@@ -357,7 +360,7 @@ def load_or_build_index(
 
     def scan_remote(path: str) -> tuple[np.ndarray, str | None] | OSError:
         try:
-            return _scan_tar(cache.open(path, stats[path]))
+            return _scan_tar(cache.open(path, stats[path]), name=path)
         except OSError as exn:
             return exn
 

@@ -15,8 +15,10 @@ changed is scanned again when the index is loaded, and one that changes during a
 `ShardCache` holds whole shards in a local folder (`data.cache_dir`) up to a size limit (`data.cache_limit`): a
 shard is downloaded once, by one process of the node at a time (a file lock per shard), into a temporary name,
 checked against its fingerprint, flushed and renamed, so a reader never opens a half-written shard, even after
-kill -9. When the cached shards exceed the limit, the least recently used ones are deleted (a process that has one
-open keeps reading it: POSIX keeps the data until it closes it). Every request is retried with exponential backoff
+kill -9 (a killed download's partial file is deleted by the next download). When the cached shards exceed the
+limit, the least recently used ones are deleted; a reader that holds an evicted copy open closes it and fetches the
+shard again (`data.indexed`), so the disk held stays within the limit and the shards being read. Give it a local
+disk: the locks and the recency are those of one machine. Every request is retried with exponential backoff
 (`RETRIES`); one that keeps failing raises `RemoteReadError`, which the reader counts as a skip.
 """
 
@@ -249,9 +251,7 @@ class ShardCache:
 
     def evict(self, keep: str = "") -> list[str]:
         """Delete the least recently used shards until the rest fit the limit (never `keep`); the deleted paths.
-        Leftover partial downloads of killed processes go too."""
-        if not self.limit:
-            return []
+        Leftover partial downloads of killed processes go too, limit or not."""
         shards, gone = [], []
         for entry in os.scandir(self.folder):
             if not entry.is_file() or entry.name.endswith(".lock"):
@@ -263,6 +263,8 @@ class ShardCache:
                 continue
             st = entry.stat()
             shards.append((st.st_mtime, entry.path, st.st_size))
+        if not self.limit:
+            return []
         total = sum(size for _, _, size in shards)
         for _, path, size in sorted(shards):
             if total <= self.limit:
