@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     sampler = IndexedBatchSampler(args.samples, args.batch_size, seed=0)
     uniform = statistics.mean(len({i // per_shard for i in sampler.batch_indices(t)})
                               for t in range(args.samples // args.batch_size))
-    print(f"{len([f for f in files if f.endswith('.tar')])} shards, {args.samples} samples, {total / args.samples / 1e6:.2f} MB a sample "
+    shards = len([f for f in files if f.endswith(".tar")])
+    print(f"{shards} shards, {args.samples} samples, {total / args.samples / 1e6:.2f} MB a sample "
           f"({manifest['text_dtype']} states, {manifest['resolution']} px)")
 
     designs = [("raw", None, 0), ("indexed, cold cache", 0, 0), ("indexed, warm cache", 0, 0)]

@@ -108,8 +108,8 @@ def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceRule,
     describe = getattr(extractor, "describe", lambda: {"name": type(extractor).__name__})
     parts = {
         "version": PLAN_VERSION,
-        "shards": [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")] + ([s["etag"]] if "etag" in s else [])
-                   for s in index.shardlist],
+        "shards": [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")]
+                   + ([s["etag"]] if "etag" in s else []) for s in index.shardlist],  # remote shards: their ETag
         "sources": mix.describe(),
         "samples_per_epoch": mix.samples_per_epoch,
         "balance": balance.settings(),

@@ -302,7 +302,8 @@ def make_indexed_loader(
     bucket_divisor: int = 16, max_aspect_ratio: float = 4.0,
     sampler: StreamBatchSampler | WeightedBucketSampler | None = None, cache: ShardCache | None = None,
 ) -> IndexedLoader:
-    """Infinite, exactly resumable loader over local tar shards; same batches as `make_image_text_loader`.
+    """Infinite, exactly resumable loader over tar shards (local, or remote read through `cache`, a
+    `data.remote.ShardCache`); same batches as `make_image_text_loader`.
 
     `batches_done` = batches this rank already consumed (step * grad_accum after a resume): the first batch is
     the one an uninterrupted run would draw next. Every rank gets `loader.batches_per_epoch` batches per epoch.

@@ -36,8 +36,8 @@ def expand_urls(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     Each spec may be a brace pattern (`shards/part-{000000..000009}.tar`), a glob (`shards/*.tar`), a directory
     (all `*.tar` directly in it, sorted), a plain file, or a remote spec (`pipe:...`, `http(s)://`, `s3://`,
     `gs://`), which is brace-expanded and, for a glob on s3:// or gs://, listed by the store; otherwise passed
-    through unchecked. Local specs must match: a spec
-    that matches nothing, or a brace pattern naming missing files, raises FileNotFoundError.
+    through unchecked. Local specs must match: a spec that matches nothing, or a brace pattern naming missing files,
+    raises FileNotFoundError.
     """
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not specs:

@@ -60,7 +60,8 @@ def test_bucketing_is_refused_without_indexed_image_shards(shard_list, mode, man
 def test_indexed_mode_builds_the_index_inside_main_process_first(shards, monkeypatch):
     events = []
     real_index = loaders.load_or_build_index
-    monkeypatch.setattr(loaders, "load_or_build_index", lambda urls, cache: events.append(("index", urls)) or real_index(urls, cache=cache))
+    monkeypatch.setattr(loaders, "load_or_build_index",
+                        lambda urls, cache: events.append(("index", urls)) or real_index(urls, cache=cache))
 
     @contextlib.contextmanager
     def main_process_first():
@@ -94,11 +95,10 @@ def test_a_manifest_reads_precomputed_shards_from_the_batches_done(monkeypatch):
     monkeypatch.setattr(loaders, "make_precomputed_loader", lambda *a, **k: calls.append((a, k)) or "loader")
     args = {**ARGS, "rank": 1, "world_size": 2, "batches_done": 7}
     assert build_loader(LOCAL, "streaming", **args, manifest=MANIFEST) == "loader"
-    assert calls == [("index", LOCAL), ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 0, "sampler": None,
-                                                                "cache": None, "shard_window": 0})]
+    kept = {"manifest": MANIFEST, "num_threads": 0, "sampler": None, "cache": None, "shard_window": 0}
+    assert calls == [("index", LOCAL), ((LOCAL, 2, 0, 3, 1, 2, 7), kept)]
     calls.clear()
     assert build_loader(LOCAL, "auto", **args, manifest=MANIFEST, loader_threads=2) == "loader"
-    assert calls[1] == ((LOCAL, 2, 0, 3, 1, 2, 7), {"manifest": MANIFEST, "num_threads": 2, "sampler": None,
-                                                      "cache": None, "shard_window": 0})
+    assert calls[1] == ((LOCAL, 2, 0, 3, 1, 2, 7), {**kept, "num_threads": 2})
     with pytest.raises(ValueError, match="needs precomputed features and data.num_workers=0 .these shards are images"):
         build_loader(LOCAL, "auto", **args, loader_threads=2)

@@ -23,7 +23,7 @@ from data.remote import ShardCache, ShardChanged, parse_size
 from data.skips import UNREADABLE_SHARD
 from data.synthetic import write_synthetic_shards
 from data.urls import expand_urls
-from remote_servers import CREDENTIALS, Faults, HTTPServer, S3Server
+from remote_servers import CREDENTIALS, HTTPServer, S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 RES = 32

@@ -421,7 +421,8 @@ def test_sources_that_cannot_be_read_as_one_are_refused_in_one_line(two_sets, tm
     with pytest.raises(ValueError, match="source0 is a pipe: command .* sources are read indexed"):
         resolve_sources([SourceConfig("pipe:curl -s https://example.org/{0..3}.tar")])
     remote = resolve_sources([SourceConfig("https://example.org/{0..1}.tar"), SourceConfig("s3://bucket/a.tar")])
-    assert [s.urls for s in remote] == [["https://example.org/0.tar", "https://example.org/1.tar"], ["s3://bucket/a.tar"]]
+    assert [s.urls for s in remote] == [["https://example.org/0.tar", "https://example.org/1.tar"],
+                                        ["s3://bucket/a.tar"]]
     with pytest.raises(ValueError, match="is in both source0 and source1"):
         resolve_sources([SourceConfig("s3://bucket/{a,b}.tar"), SourceConfig("s3://bucket/b.tar")])
     empty = tmp_path / "empty.tar"
