@@ -151,8 +151,8 @@ class WeightedOrder:
         order = np.concatenate(parts)
         # window w owns the draw slots q whose point q * UNIT + u_e falls in its units: [first[w], first[w + 1])
         edges = np.cumsum(self.units[order])[np.asarray(ends) - 1]
-        first = -(-(edges - self._offset(epoch)) // UNIT)  # ceil: within [0, S], as 0 <= u_e < UNIT and the last
-        # window's edge is S * UNIT
+        # a ceiling, within [0, S]: 0 <= u_e < UNIT, and the last window's edge is S * UNIT
+        first = -(-(edges - self._offset(epoch)) // UNIT)
         return order, np.concatenate([[0], first])
 
     def _cumulative(self, epoch: int) -> np.ndarray:
