@@ -118,16 +118,12 @@ def _retried(what: str, call: Callable[[], T]) -> T:
 
 
 def glob(spec: str) -> list[str]:
-    """The shards a remote glob names (`s3://bucket/shards/*.tar`), sorted, listed by the store; a store that
-    cannot list (plain HTTP) raises ValueError."""
+    """The shards a remote glob names (`s3://bucket/shards/*.tar`), sorted, as the store lists them (an HTTP server
+    lists a folder only where it serves a page of links to its files; [] otherwise)."""
     fs, path = _filesystem(spec)
     scheme = spec.split("://")[0]
-    try:
-        found = _retried(f"list {spec}", lambda: fs.glob(path))
-    except NotImplementedError as err:
-        raise ValueError(f"{spec}: {scheme}:// cannot list a folder; give a brace pattern "
-                         f"(shard-{{000000..000099}}.tar)") from err
-    return sorted(f"{scheme}://{p}" if "://" not in p else p for p in found)
+    found = _retried(f"list {spec}", lambda: fs.glob(path))
+    return sorted(p if "://" in p else f"{scheme}://{p}" for p in found)
 
 
 def _etag(info: dict[str, Any]) -> str:

@@ -85,6 +85,7 @@ def test_an_http_server_without_etags_is_fingerprinted_by_size_and_time(local, t
     server = HTTPServer(str(folder))
     try:
         urls = [f"{server.url}/{os.path.basename(p)}" for p in local]
+        assert expand_urls(f"{server.url}/*.tar") == urls  # Python's server lists a folder as a page of links
         cache = ShardCache(tmp_path / "cache")
         _, got = batches(urls, cache)
         assert same(got, batches(local)[1])
@@ -187,7 +188,8 @@ def test_credentials_stay_in_the_environment(local, s3, tmp_path, caplog):
 
 
 def test_sizes_and_missing_clients_read_in_one_line(monkeypatch):
-    assert [parse_size(s) for s in ("0", "20GB", "500 MiB", "1.5kb", 7)] == [0, 20 * 10**9, 500 * 2**20, 1500, 7]
+    assert [parse_size(s) for s in ("0", "7", "3k", "20GB", "500 MiB", "1.5kb", 7)] == [
+        0, 7, 3000, 20 * 10**9, 500 * 2**20, 1500, 7]
     with pytest.raises(ValueError, match="data.cache_limit: 'lots' is not a size"):
         parse_size("lots")
     with pytest.raises(ImportError, match="gs:// shards need the gcsfs package: pip install gcsfs"):
@@ -234,3 +236,86 @@ def test_a_process_killed_during_a_download_leaves_nothing_a_reader_would_open(l
     s3.faults.trickle_s = 0
     assert open(cache.path(url, fingerprint), "rb").read() == big.read_bytes()
     assert not [name for name in os.listdir(folder) if ".part-" in name]  # the dead process's partial file went
+
+
+def test_precomputed_features_on_the_store_read_like_the_local_ones(local, s3, tmp_path):
+    from data.precompute import PrecomputeSettings, precompute_shards
+    from data.precomputed import find_manifest, load_null_text, make_precomputed_loader
+
+    out = tmp_path / "features"
+    precompute_shards(local[:2], out, PrecomputeSettings(resolution=RES, max_text_tokens=24, vae="tiny"),
+                      batch_size=6)
+    s3.upload("features", "set", sorted(str(p) for p in out.iterdir() if p.is_file()))
+    manifest = find_manifest("s3://features/set/*.tar")
+    here = find_manifest(str(out))
+    assert manifest["__path__"] == "s3://features/set/precompute.json"
+    assert {k: v for k, v in manifest.items() if k != "__path__"} == {k: v for k, v in here.items() if k != "__path__"}
+    for a, b in zip(load_null_text(manifest), load_null_text(here)):
+        assert torch.equal(a, b)
+    urls = expand_urls("s3://features/set/*.tar")
+    remote_batches = make_precomputed_loader(urls, 4, manifest=manifest, cache=ShardCache(tmp_path / "cache"))
+    local_batches = make_precomputed_loader(str(out), 4, manifest=here)
+    for got, want in itertools.islice(zip(remote_batches, local_batches), 5):
+        assert got["keys"] == want["keys"] and torch.equal(got["latent_moments"], want["latent_moments"])
+    # a small file that is missing, or holds no JSON object, reads as no manifest
+    s3.upload("features", "odd", [str(tmp_path / "features" / "precompute.json")])
+    assert remote.read_json("s3://features/odd/missing.json") is None
+    (tmp_path / "list.json").write_text("[1, 2]")
+    s3.upload("features", "odd", [str(tmp_path / "list.json")])
+    assert remote.read_json("s3://features/odd/list.json") is None
+    assert remote.read_json("s3://features/odd/precompute.json")["__kind__"] == here["__kind__"]
+
+
+def test_requests_are_retried_with_doubling_waits_and_fail_in_one_line(monkeypatch, caplog):
+    waits = []
+    monkeypatch.setattr(remote.time, "sleep", waits.append)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.2)
+    monkeypatch.setattr(remote, "BACKOFF_MAX_S", 1.0)
+    calls = []
+
+    def flaky(fails):
+        def call():
+            calls.append(1)
+            if len(calls) <= fails:
+                raise ConnectionResetError("peer went away")
+            return "ok"
+        return call
+
+    caplog.set_level(logging.INFO, logger="data.remote")
+    assert remote._retried("stat s3://b/x.tar", flaky(4)) == "ok" and len(calls) == 5
+    assert waits == [0.2, 0.4, 0.8, 1.0]  # doubled, at most BACKOFF_MAX_S
+    assert "stat s3://b/x.tar failed (ConnectionResetError), attempt 2 of 5; retrying in 0.4 s" in caplog.text
+    calls.clear()
+    with pytest.raises(remote.RemoteReadError) as failed:
+        remote._retried("download s3://b/x.tar", flaky(5))
+    assert len(calls) == 5
+    assert str(failed.value) == "download s3://b/x.tar: ConnectionResetError: peer went away (after 5 attempts)"
+    calls.clear()
+    with pytest.raises(PermissionError):  # a refusal does not change: asked once
+        remote._retried("stat", lambda: calls.append(1) or (_ for _ in ()).throw(PermissionError("denied")))
+    assert len(calls) == 1
+
+
+def test_fingerprints_cache_places_and_client_errors_say_what_they_are(monkeypatch, tmp_path):
+    assert remote._etag({"ETag": '"abc"', "size": 3}) == "abc"
+    assert [remote._etag({key: value}) for key, value in (("etag", '"e"'), ("md5Hash", "m=="), ("generation", 17),
+                                                          ("Last-Modified", "Sun, 06 Dec 2026"))] == [
+        "e", "m==", "17", "Sun, 06 Dec 2026"]
+    assert remote._etag({"size": 3}) == ""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert remote.default_cache_dir() == str(tmp_path / "xdg" / "imba-dit" / "shards")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert remote.default_cache_dir() == str(tmp_path / "home" / ".cache" / "imba-dit" / "shards")
+    for module, scheme, message in (("s3fs", "s3", "s3:// shards need the s3fs package: pip install "
+                                                   "'imba-dit[remote]'"),
+                                    ("fsspec.implementations.http", "https", "https:// shards need the aiohttp "
+                                                                             "package: pip install 'imba-dit[remote]'")):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed: fsspec imports it anew
+        monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, scheme, raising=False)
+        with pytest.raises(ImportError) as missing:
+            remote._filesystem(f"{scheme}://host-{module}/a.tar")
+        assert str(missing.value) == message
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(ImportError, match=r"^remote shards need fsspec: pip install 'imba-dit\[remote\]'$"):
+        remote._filesystem("s3://bucket/a.tar")
