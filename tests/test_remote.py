@@ -319,3 +319,47 @@ def test_fingerprints_cache_places_and_client_errors_say_what_they_are(monkeypat
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(ImportError, match=r"^remote shards need fsspec: pip install 'imba-dit\[remote\]'$"):
         remote._filesystem("s3://bucket/a.tar")
+
+
+def test_the_cache_evicts_the_least_recently_used_counts_its_downloads_and_keeps_live_partial_files(
+        local, s3, tmp_path, caplog):
+    urls = s3.upload("shards", "lru", local[:3])
+    size = os.path.getsize(local[0])
+    cache = ShardCache(tmp_path / "cache", limit=2 * size + 10)
+    prints = [remote.stat(u) for u in urls]
+    live = os.path.join(cache.folder, f"x.part-{os.getpid()}")  # a download in progress in a live process
+    a = cache.path(urls[0], prints[0])
+    open(live, "wb").close()
+    b = cache.path(urls[1], prints[1])
+    os.utime(a, (1, 1))  # a is older than b ...
+    os.utime(b, (2, 2))
+    assert cache.path(urls[0], prints[0]) == a  # ... until it is read again: then b is the least recent
+    c = cache.path(urls[2], prints[2])
+    assert sorted(os.listdir(cache.folder)) == sorted(
+        [os.path.basename(p) for p in (a, c, live)] + [os.path.basename(p) + ".lock" for p in (a, b, c)])
+    assert (cache.downloads, cache.bytes_downloaded) == (3, sum(p["filesize"] for p in prints))
+    assert cache.cached(urls[0], prints[0]) and not cache.cached(urls[1], prints[1])
+    assert ShardCache(cache.folder).evict() == [] and cache.cached(urls[0], prints[0])  # no limit: nothing goes
+    caplog.set_level(logging.WARNING, logger="data.remote")
+    tiny = ShardCache(tmp_path / "tiny", limit=size // 2)
+    tiny.path(urls[0], prints[0])
+    assert f"data.cache_limit={size // 2} bytes holds less than one shard" in caplog.text
+
+
+def test_a_copy_evicted_between_its_download_and_its_open_is_fetched_again(local, s3, tmp_path, monkeypatch):
+    url = s3.upload("shards", "race", local[:1])[0]
+    cache = ShardCache(tmp_path / "cache")
+    fingerprint = remote.stat(url)
+    real_open, opened = os.open, []
+
+    def evicted_once(path, flags, *args):
+        if path.startswith(cache.folder) and not opened:  # another process evicts it right after the download
+            opened.append(path)
+            os.remove(path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(remote.os, "open", evicted_once)
+    fd = cache.open(url, fingerprint)
+    monkeypatch.undo()
+    assert os.read(fd, 10) == open(local[0], "rb").read(10) and cache.downloads == 2
+    os.close(fd)
