@@ -245,10 +245,10 @@ class ShardCache:
         raise RemoteReadError(f"{url}: evicted from {self.folder} {RETRIES} times before it could be opened: raise "
                               f"data.cache_limit")
 
-    def evict(self, keep: str = "") -> list[str]:
-        """Delete the least recently used shards until the rest fit the limit (never `keep`); the deleted paths.
-        Leftover partial downloads of killed processes go too, limit or not."""
-        shards, gone = [], []
+    def evict(self, keep: str = "") -> None:
+        """Delete the least recently used shards until the rest fit the limit (never `keep`). Leftover partial
+        downloads of killed processes go too, limit or not."""
+        shards = []
         for entry in os.scandir(self.folder):
             if not entry.is_file() or entry.name.endswith(".lock"):
                 continue
@@ -260,20 +260,17 @@ class ShardCache:
             st = entry.stat()
             shards.append((st.st_mtime, entry.path, st.st_size))
         if not self.limit:
-            return []
+            return
         total = sum(size for _, _, size in shards)
         for _, path, size in sorted(shards):
             if total <= self.limit:
                 break
-            if path == keep:
-                continue
-            if _remove(path):
-                gone.append(path)
-                total -= size
+            if path != keep:
+                _remove(path)
+                total -= size  # or another process removed it: gone either way
         if keep and os.path.getsize(keep) > self.limit:
             log.warning("data.cache_limit=%d bytes holds less than one shard (%s, %d bytes): raise it", self.limit,
                         keep, os.path.getsize(keep))
-        return gone
 
 
 def _alive(pid: int) -> bool:
@@ -286,9 +283,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove(path: str) -> bool:
+def _remove(path: str) -> None:
     try:
         os.remove(path)
-        return True
-    except FileNotFoundError:
-        return False
+    except FileNotFoundError:  # another process of the node removed it first
+        pass

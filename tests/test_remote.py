@@ -339,11 +339,22 @@ def test_the_cache_evicts_the_least_recently_used_counts_its_downloads_and_keeps
         [os.path.basename(p) for p in (a, c, live)] + [os.path.basename(p) + ".lock" for p in (a, b, c)])
     assert (cache.downloads, cache.bytes_downloaded) == (3, sum(p["filesize"] for p in prints))
     assert cache.cached(urls[0], prints[0]) and not cache.cached(urls[1], prints[1])
-    assert ShardCache(cache.folder).evict() == [] and cache.cached(urls[0], prints[0])  # no limit: nothing goes
+    ShardCache(cache.folder).evict()  # no limit: nothing goes
+    assert cache.cached(urls[0], prints[0]) and cache.cached(urls[2], prints[2])
     caplog.set_level(logging.WARNING, logger="data.remote")
     tiny = ShardCache(tmp_path / "tiny", limit=size // 2)
     tiny.path(urls[0], prints[0])
     assert f"data.cache_limit={size // 2} bytes holds less than one shard" in caplog.text
+
+
+def test_a_cached_copy_is_named_by_its_url_and_version(tmp_path):
+    cache = ShardCache(tmp_path)
+    one = cache._name("s3://b/set/shard-000001.tar", {"filesize": 10, "etag": "aa"})
+    assert os.path.dirname(one) == str(tmp_path) and one.endswith("-shard-000001.tar")  # readable in a listing
+    assert one != cache._name("s3://b/set/shard-000001.tar", {"filesize": 10, "etag": "bb"})  # another version
+    assert one != cache._name("s3://b/set/shard-000001.tar", {"filesize": 11, "etag": "aa"})
+    assert one != cache._name("s3://b/other/shard-000001.tar", {"filesize": 10, "etag": "aa"})
+    assert cache._name("http://h/a b?.tar", {"filesize": 1, "etag": ""}).endswith("-a_b_.tar")
 
 
 def test_a_copy_evicted_between_its_download_and_its_open_is_fetched_again(local, s3, tmp_path, monkeypatch):
