@@ -46,7 +46,7 @@ from remote_servers import CREDENTIALS, Faults, S3Server  # noqa: E402
 
 def raw_read(urls: list[str], folder: str) -> None:
     """Every shard downloaded once, in order, by the storage client call the cache makes (fsspec `get_file`)."""
-    fs, _ = remote._filesystem(urls[0])
+    fs, _ = remote.filesystem(urls[0])
     for url in urls:
         fs.get_file(url, os.path.join(folder, "shard.tar"))
 

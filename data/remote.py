@@ -37,7 +37,7 @@ from typing import Any, Callable, TypeVar
 from .tars import INDEXABLE_PREFIXES
 
 __all__ = ["INDEXABLE_PREFIXES", "is_indexable_remote", "ShardChanged", "RemoteReadError", "stat", "parse_size",
-           "ShardCache", "default_cache_dir", "read_json", "read_bytes", "glob"]
+           "ShardCache", "default_cache_dir", "read_json", "read_bytes", "glob", "filesystem"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * (1024 if binary else 1000) ** power)
 
 
-def _filesystem(url: str):
+def filesystem(url: str):
     """(fsspec filesystem, path within it) for `url`; a one-line ImportError naming the package a scheme needs."""
     try:
         import fsspec
@@ -120,7 +120,7 @@ def _retried(what: str, call: Callable[[], T]) -> T:
 def glob(spec: str) -> list[str]:
     """The shards a remote glob names (`s3://bucket/shards/*.tar`), sorted, as the store lists them (an HTTP server
     lists a folder only where it serves a page of links to its files; [] otherwise)."""
-    fs, path = _filesystem(spec)
+    fs, path = filesystem(spec)
     scheme = spec.split("://")[0]
     found = _retried(f"list {spec}", lambda: fs.glob(path))
     return sorted(p if "://" in p else f"{scheme}://{p}" for p in found)
@@ -137,7 +137,7 @@ def stat(url: str) -> dict[str, Any]:
     """{"filesize": bytes, "etag": str} of a remote shard, fresh from the store. An HTTP server without ETag headers
     gives its Last-Modified time instead (a shard replaced by one of the same size within the same second then goes
     unseen), one with neither "" (the size alone)."""
-    fs, path = _filesystem(url)
+    fs, path = filesystem(url)
 
     def info() -> dict[str, Any]:
         fs.invalidate_cache(path)
@@ -149,7 +149,7 @@ def stat(url: str) -> dict[str, Any]:
 
 def read_bytes(url: str) -> bytes:
     """The whole (small) file at `url`: a precompute manifest or null text beside the shards."""
-    fs, path = _filesystem(url)
+    fs, path = filesystem(url)
     return _retried(f"read {url}", lambda: fs.cat_file(path))
 
 
@@ -169,7 +169,7 @@ def read_json(url: str) -> dict | None:
 
 def _download(url: str, dest: str, expected: dict[str, Any]) -> None:
     """The shard at `url` copied into the open path `dest`, checked against `expected` (its fingerprint)."""
-    fs, path = _filesystem(url)
+    fs, path = filesystem(url)
     now = stat(url)
     if now != expected:
         raise ShardChanged(f"{url} changed since it was indexed ({expected} -> {now}): restart the run to re-index it")

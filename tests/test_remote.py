@@ -314,11 +314,11 @@ def test_fingerprints_cache_places_and_client_errors_say_what_they_are(monkeypat
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed: fsspec imports it anew
         monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, scheme, raising=False)
         with pytest.raises(ImportError) as missing:
-            remote._filesystem(f"{scheme}://host-{module}/a.tar")
+            remote.filesystem(f"{scheme}://host-{module}/a.tar")
         assert str(missing.value) == message
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(ImportError, match=r"^remote shards need fsspec: pip install 'imba-dit\[remote\]'$"):
-        remote._filesystem("s3://bucket/a.tar")
+        remote.filesystem("s3://bucket/a.tar")
 
 
 def test_the_cache_evicts_the_least_recently_used_counts_its_downloads_and_keeps_live_partial_files(
