@@ -149,7 +149,8 @@ def main(argv=None) -> int:
                   f"({row['vs_raw']:.2f}x raw)  {row['mb_per_sample']:.2f} MB/sample{quality}")
         server.stdin.close()
         server.wait()
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "data")}  # not where this machine kept them
+    Path(args.out).write_text(json.dumps({"args": settings, "results": results}, indent=1) + "\n")
     print(f"-> {args.out}")
     return 0
 

@@ -55,7 +55,7 @@ from .files import read_json_object
 from .index import parse_sample
 from .indexed import BatchFetch, IndexedLoader, IndexedShards, check_stream, indexed_batch_sampler
 from .order import IndexedBatchSampler
-from .remote import ShardCache, is_indexable_remote, read_bytes as read_remote_bytes, read_json as read_remote_json
+from .remote import ShardCache, is_indexable_remote, read_bytes, read_json as read_remote_json
 from .skips import ReaderStats
 from .streaming import check_loader_args
 from .text_states import (
@@ -253,12 +253,8 @@ def load_null_text(manifest: dict[str, Any] | str | os.PathLike) -> tuple[torch.
     what `TextConditioner.null_embeds`/`null_mask` hold when the encoder is loaded (equal on valid tokens)."""
     if not isinstance(manifest, dict):
         manifest = load_manifest(manifest)
-    where = manifest["__path__"]
-    if is_indexable_remote(where):  # features on object storage: the small file beside their manifest
-        stored = np.load(io.BytesIO(read_remote_bytes(f"{where.rsplit('/', 1)[0]}/{manifest['null_text']}")),
-                         allow_pickle=False)
-    else:
-        stored = np.load(os.path.join(os.path.dirname(where), manifest["null_text"]), allow_pickle=False)
+    beside = f"{manifest['__path__'].rsplit('/', 1)[0]}/{manifest['null_text']}"  # a local path or a URL
+    stored = np.load(io.BytesIO(read_bytes(beside)), allow_pickle=False)
     states = states_from_numpy(stored, None, null_text_dtype(manifest["text_dtype"]))
     embeds, mask = _pad_text(states, manifest["max_text_tokens"])
     return embeds[None], mask[None]

@@ -148,7 +148,10 @@ def stat(url: str) -> dict[str, Any]:
 
 
 def read_bytes(url: str) -> bytes:
-    """The whole (small) file at `url`: a precompute manifest or null text beside the shards."""
+    """The whole (small) file at `url`, a local path or a URL: a precompute manifest or null text beside shards."""
+    if not is_indexable_remote(url):
+        with open(url, "rb") as f:
+            return f.read()
     fs, path = filesystem(url)
     return _retried(f"read {url}", lambda: fs.cat_file(path))
 
