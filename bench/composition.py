@@ -1,16 +1,26 @@
 """Synthetic composition benchmark: does a loss or a stream close the gap that data imbalance opens? (paper Tab. 1/3)
 
-    python bench/composition.py                 # both worlds, 5 seeds, fixed scenes (see bench/README.md for time)
+    python bench/composition.py                 # the default: 4 variants, both worlds, 5 seeds, fixed scenes
     python bench/composition.py --quick         # 1 seed, both worlds: three streams, efficient IMBA, caption-balanced
-    python bench/composition.py --variants plain plain_balanced importance importance_joint inverse_freq \
-        --out bench/composition_reweight       # the re-weighting baselines
-    python bench/composition.py --variants all  # every form in VARIANTS (hours on 2 cores)
+    python bench/composition.py --variants all  # every form in VARIANTS
     python bench/composition.py --variants plain plain_balanced plain_concept_balanced imba_target_tnorm_efficient \
         caption_balanced imba_grouped --worlds concept_tail pair_tail captioned --reach-controls \
         --out bench/composition_balance         # streams balanced without labels, on to the controls' 1,950 steps
     python bench/composition.py --variants plain plain_balanced caption_balanced \
-        --worlds pair_tail captioned --seeds 5 6 7 8 9 --steps 1000 1500 1950 \
+        --worlds pair_tail captioned --seeds 5 6 7 8 9 10 11 12 13 --steps 1000 1500 1950 \
         --out bench/composition_heldout         # the headline lever on seeds no setting was chosen on
+    python bench/composition.py --levers        # data levers and representation diagnostics (online scenes)
+    python bench/composition.py --diagnose OUT/models/<world>-<variant>-seed<s>-<steps> --out DIR
+
+Output, in --out: results.md (every table, for both oracles, per whole prompt and per probed half), results.json
+(the settings, every run and every table), composition.png, exposure.png, monitor_<world>.png (levers.png and
+blocks.png with --levers), samples_<world>_<variant>_<steps>.png (the first seed's last evaluation), models/ (the
+EMA weights at every evaluation, for --diagnose) and runs/. Each finished run is saved in runs/ as it ends and is
+reused, as are the runs recorded in results.json, when a later command asks for the same (world, variant, seed)
+with the same settings: a study can be split over several commands, and an interrupted one reruns only what is
+missing. Runs carry the protocol number (PROTOCOL), and runs of another protocol are never reused. Each run trains
+in a process of its own (--workers, at most 2 by default, one thread each). The recorded results and their reading
+are in bench/README.md ("The composition benchmark").
 
 Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour> <shape> and a <colour> <shape>",
 8 colours × 5 shapes. "concept_tail": colours and shapes each Zipf(2), so rare pairs are pairs of rare words;
@@ -18,10 +28,11 @@ Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour
 "captioned": pair_tail's images with captions as a re-captioner writes them (phrasings, synonyms, omitted and wrong
 colours, distractor words; `composition_scenes.realistic_caption`), which only the caption-reading streams read: a
 variant that reads no captions is the same computation as in pair_tail and its run is shared. Which colour and shape
-take which frequency rank, and so which pairs are held out, is drawn from the seed. A pool of single-object tiles per
-seed holds the pairs in proportion (head pairs hundreds to thousands of tiles, the rarest 8); 6 pairs are held out of
-training. An oracle CNN reads each half of a generated scene; a second oracle, trained from another seed, reads the
-same scenes (the judge's own uncertainty).
+take which frequency rank, and so which pairs are held out, is drawn from the seed (--fixed-ranks keeps the listed
+order). A pool of single-object tiles per seed holds the pairs in proportion (head pairs hundreds to thousands of
+tiles, the rarest 8); 6 pairs are held out of training. An oracle CNN (shipped: composition_oracle.pt, or
+--train-oracle, or --oracle PATH) reads each half of a generated scene; a second oracle, trained from another seed,
+reads the same scenes (the judge's own uncertainty).
 
 Scenes: "fixed" (default) composes each seed's scenes once (every tile in two scenes, once per side) and a stream
 draws among them, as a sampler of a real data set can only draw among its images; "online" composes each scene at
@@ -40,13 +51,15 @@ from the model's own IMBA distance, measured by a no-grad unconditional pass ove
 (counted compute 1 + 1/24 plain steps at batch 32). They train with the plain loss and are compared with the
 controls; they are no controls themselves and run to the equal-step lengths, and with --reach-controls on to the
 controls' last point (1,950 steps, and for the online one also 1,872, where its counted compute is the controls'
-1,950). Each run is saved as it ends, so the variants can be run in separate commands.
+1,950).
 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
 tile and scene pool, initial weights, optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1,
 diffusers EMA 0.999 with its default warm-up, so 0.9955 at 2,000 steps) and noise: which tiles a stream selects
 comes from a generator of its own, so every stream's noise stays paired with plain's. Compute is counted per run:
-every forward row with gradient costs 3 units, every row of a no-grad pass 1, and a plain step of B rows 3B.
+every forward row with gradient costs 3 units, every row of a no-grad pass 1, and a plain step of B rows 3B. The
+stream controls also train on to the longest length times the largest nominal cost of the other variants, so that
+their success can be read at any variant's counted compute by interpolation (--no-equal-compute turns this off).
 
 Evaluation at every length a run is evaluated at: for each of the 40 pairs, N two-object prompts with the pair on one
 side and a head pair on the other; N samples from the EMA weights (DPM-Solver++ 10 steps, classifier-free guidance
@@ -178,7 +191,7 @@ VARIANTS = {
     "imba_grouped": variant(kind="plain", stream="imba_online", alpha=0.5),
 }
 BALANCE_EVERY = 50  # steps between refreshes of the online balance's weights
-# the default: the three streams and the IMBA form measured best at equal compute so far, in both worlds, 5 seeds
+# the default: the three streams and the IMBA form that loses least to plain at equal compute (bench/README.md)
 DEFAULT_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient"]
 DEFAULT_SEEDS = [0, 1, 2, 3, 4]
 DEFAULT_WORLDS = ("concept_tail", "pair_tail")  # "captioned" differs from pair_tail only for caption-reading streams
@@ -198,8 +211,8 @@ LEVERS = ("hues", "bursty", "jitter")
 CONTROLS = {"flow": ("plain", "plain_balanced"), "ddpm": ("plain_eps", "plain_balanced_eps")}
 PATCH = 4
 MONITOR_EVERY = 50  # steps per point of the distance-per-bucket curve
-# DPM-Solver++ steps per evaluation sample: reading the same noise at 10 and at 20 steps moved bucket success by
-# at most 2.0 points on six saved models (bench/README.md, "Time."), at half the cost
+# DPM-Solver++ steps per evaluation sample: 20 steps read bucket success within 2 points of 10 at twice the cost
+# (bench/README.md#the-protocol)
 SAMPLING_STEPS = 10
 ORACLE = REPO / "bench" / "composition_oracle.pt"  # the judge's weights; its report: the same name with .json
 ORACLE_B = REPO / "bench" / "composition_oracle_b.pt"  # a second judge (train_oracle(seed=1)): its reading beside
@@ -207,7 +220,7 @@ T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
          11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086}
 # what a run's success is read from: the whole prompt or the probed half alone, by the oracle or the second one
 METRICS = ("per_pair", "per_pair_half", "per_pair_b", "per_pair_half_b")
-PROTOCOL = 2  # part of a run's settings: runs recorded before per-seed worlds and counted compute are not reused
+PROTOCOL = 2  # part of a run's settings: a run of another protocol (bench/README.md#the-protocol) is not reused
 
 
 def objective_of(variant: str) -> str:

@@ -1,5 +1,5 @@
-"""The outside audit's numbers, recomputed from the runs recorded in the first composition results (bench/README.md,
-"What the first recordings got wrong"):
+"""The outside audit's numbers, recomputed from the runs recorded under the benchmark's first protocol
+(bench/README.md, "The protocol"):
 
     python bench/composition_audit.py            # reads bench/composition_results, composition_levers, composition_reweight
 
