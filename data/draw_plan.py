@@ -111,6 +111,7 @@ def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceRule,
         "shards": [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")]
                    + ([s["etag"]] if "etag" in s else []) for s in index.shardlist],  # remote shards: their ETag
         "sources": mix.describe(),
+        "source_settings": mix.settings(),  # every setting of every source's kind, as data: none can be left out
         "samples_per_epoch": mix.samples_per_epoch,
         "balance": balance.settings(),
         "extractor": describe(),
@@ -169,6 +170,7 @@ def plan_draws(
         "num_samples": mix.num_samples,
         "samples_per_epoch": mix.samples_per_epoch,
         "sources": mix.describe(),
+        "source_settings": mix.settings(),
         "balance": balance.settings(),
         "balance_line": balance.describe(),
         "largest_repeat": {"draws_per_epoch": float(planned[largest]), "sample": largest,

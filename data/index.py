@@ -39,7 +39,7 @@ from .images import IMAGE_EXTENSIONS
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD
 from .remote import ShardCache, is_indexable_remote, stat as remote_stat
 from .tars import split_key_ext, walk_tar_buffer
-from .urls import expand_urls, is_remote
+from .urls import expand_urls, is_pipe
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "load_or_build_index", "parse_sample"]
 
@@ -163,7 +163,7 @@ def parse_sample(blob: bytes | bytearray | memoryview, copy: bool = True) -> dic
 
 def _check_indexable(urls: Sequence[str]) -> None:
     for url in urls:
-        if is_remote(str(url)) and not is_indexable_remote(str(url)):
+        if is_pipe(str(url)):
             raise ValueError(f"indexed mode reads local files and s3://, gs://, http(s):// URLs; a pipe: command can "
                              f"only be streamed: use data.mode=streaming (got {str(url)[:120]!r})")
 

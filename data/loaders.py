@@ -9,9 +9,9 @@ from typing import Any, Callable, ContextManager
 from .index import load_or_build_index
 from .indexed import make_indexed_loader
 from .precomputed import make_precomputed_loader
-from .remote import ShardCache, is_indexable_remote
+from .remote import ShardCache
 from .streaming import make_image_text_loader
-from .urls import is_remote
+from .urls import is_pipe
 from .weighted import StreamBatchSampler
 
 __all__ = ["choose_mode", "build_loader"]
@@ -25,7 +25,7 @@ def choose_mode(mode: str, shards: list[str], manifest: dict | None = None) -> s
     if manifest:
         return "indexed"
     if mode == "auto":
-        return "streaming" if any(is_remote(u) and not is_indexable_remote(u) for u in shards) else "indexed"
+        return "streaming" if any(map(is_pipe, shards)) else "indexed"
     return mode
 
 

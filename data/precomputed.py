@@ -67,7 +67,7 @@ from .text_states import (
     states_from_numpy,
     stored_tensor,
 )
-from .urls import expand_urls, is_remote
+from .urls import expand_urls, is_pipe
 from .weighted import StreamBatchSampler
 
 __all__ = [
@@ -212,7 +212,7 @@ def load_manifest(where: str | os.PathLike | Sequence[str]) -> dict[str, Any]:
 def find_manifest(shards: str | Sequence[str], **expected: Any) -> dict[str, Any] | None:
     """The manifest when `shards` (a training config's data.shards) are precompute outputs, checked against
     `expected` (see `check_manifest`); None for ordinary image shards, streamed ones and an empty spec."""
-    if not shards or (is_remote(expand_urls(shards)[0]) and not is_indexable_remote(expand_urls(shards)[0])):
+    if not shards or is_pipe(expand_urls(shards)[0]):
         return None
     try:
         manifest = load_manifest(shards)

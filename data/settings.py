@@ -10,11 +10,14 @@ from typing import ClassVar
 from .balance import BalanceRule, CapBalance, NoBalance, TemperatureBalance
 from .online_balance import ImbaBalance
 from .remote import ShardCache, parse_size
-from .sources import SourceConfig, check_source_configs
+from .sources import ShardsSource, SourceKind, SyntheticSource, check_source_configs
 
 # data.balance's kinds: a rule is its settings' dataclass (data/balance.py's BalanceRule), registered here by its KIND
 BALANCE_RULES: dict[str, type[BalanceRule]] = {rule.KIND: rule for rule in (NoBalance, TemperatureBalance, CapBalance,
                                                                             ImbaBalance)}
+# data.sources' kinds: each entry is one of these dataclasses (data/sources.py's SourceKind), chosen by its `kind`;
+# the first is the kind of an entry that names none
+SOURCE_KINDS: dict[str, type[SourceKind]] = {kind.KIND: kind for kind in (ShardsSource, SyntheticSource)}
 
 
 @dataclass
@@ -59,10 +62,11 @@ class DataConfig:
     # = a held-out synthetic set (other seed) for synthetic training, no validation for data.shards
     val_shards: str | None = None
     val_samples: int = 64  # the first N samples of the validation shards' seeded order, split over the ranks
-    # several shard sets read as one, instead of data.shards: a list of {shards, name, share | repeat | choose}
-    # (data/sources.py, docs/data.md#mixing-sources-and-balancing-concepts); drawn by the weighted stream (exact
-    # resume on any process count)
-    sources: list[SourceConfig] = field(default_factory=list)
+    # several shard sets read as one, instead of data.shards: a list of {kind, name, share | repeat | choose, and
+    # the kind's settings}, a kind of SOURCE_KINDS (default shards: {shards: PATTERN}; synthetic: {samples, folder,
+    # seed}) (data/sources.py, docs/data.md#mixing-sources-and-balancing-concepts); drawn by the weighted stream
+    # (exact resume on any process count)
+    sources: list[SourceKind] = field(default_factory=list)
     epoch_samples: int = 0  # draws per epoch with data.sources or data.balance; 0 = the samples of the sources
     # sampling weights from the captions' concepts, one rule of BALANCE_RULES with its settings: {kind: none} |
     # {kind: temperature, alpha} (weight = count of the sample's rarest concept or combination ^ -alpha) | {kind: cap,
@@ -77,6 +81,7 @@ class DataConfig:
 
     CHOICES: ClassVar[dict] = {"mode": ("auto", "indexed", "streaming"), "precompute": ("auto", "true", "false")}
     KINDS: ClassVar[dict] = {"balance": BALANCE_RULES}  # settings whose `kind` picks their dataclass
+    ITEM_KINDS: ClassVar[dict] = {"sources": SOURCE_KINDS}  # lists whose items' `kind` picks their dataclass
     RANGES: ClassVar[dict] = {
         "resolution": ">= 1",
         "batch_size": ">= 1",
@@ -93,6 +98,14 @@ class DataConfig:
     def synthetic(self) -> bool:
         """Whether the run trains on the synthetic set (neither data.shards nor data.sources)."""
         return not self.shards and not self.sources
+
+    def source_kinds(self) -> list[SourceKind]:
+        """What the run reads: data.sources, else data.shards or the synthetic set as the one source."""
+        if self.sources:
+            return list(self.sources)
+        if self.shards:
+            return [ShardsSource(name="shards", shards=self.shards)]
+        return [SyntheticSource(name="synthetic", samples=self.synthetic_samples, folder=self.synthetic_dir)]
 
     def weighted(self) -> bool:
         """Whether the run reads the weighted stream (data.sources or data.balance) rather than the plain order."""

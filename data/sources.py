@@ -19,54 +19,139 @@ sample's natural draws.
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
 from .remote import is_indexable_remote
-from .urls import expand_urls, is_remote
+from .synthetic import write_synthetic_shards
+from .urls import expand_urls, is_pipe
 
-__all__ = ["SourceConfig", "Source", "SourceMix", "check_source_configs", "resolve_sources", "check_same_kind"]
+__all__ = ["SourcePlace", "SourceKind", "ShardsSource", "SyntheticSource", "Source", "SourceMix",
+           "check_source_configs", "resolve_sources", "safe_name", "check_same_kind"]
 
 
 @dataclass
-class SourceConfig:
-    """One entry of data.sources."""
+class SourcePlace:
+    """What a source kind may need to find or write its shards: where a run keeps what it writes for the source
+    (a folder of its own), the run's resolution and seed, and whether this process writes (the main process; the
+    others `wait` for it)."""
 
-    shards: str = ""  # brace/glob pattern or folder of tar shards (image shards or a precompute output)
+    folder: Path
+    resolution: int = 128
+    seed: int = 0
+    is_main: bool = True
+    wait: Callable[[], None] = lambda: None
+
+
+@dataclass
+class SourceKind(abc.ABC):
+    """One entry of data.sources: a kind of source (`KIND`, registered in `data.settings.SOURCE_KINDS`) with its own
+    settings, and the weights every kind has. A kind says which shards it is (`resolve`) and how the start-up log and
+    the model card name it (`describe`); the readers (indexed, precomputed, streaming) then read those shards."""
+
+    KIND: ClassVar[str]
+    CHOICES: ClassVar[dict] = {}
+    RANGES: ClassVar[dict] = {}
+
     name: str = ""  # how the source is named in the logs; default source0, source1, ...
     share: float = 0.0  # fraction of the draws (normalised over the sources); 0 = not given
     repeat: float = 0.0  # draws per sample per epoch; 0 = not given
     choose: int = 0  # draws per epoch from this source; 0 = not given
 
+    @abc.abstractmethod
+    def resolve(self, place: SourcePlace) -> list[str]:
+        """The source's shard URLs (expanded), written first where the kind makes them."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """The source in a few words of Markdown, for the start-up log and the model card."""
+
+    def check(self) -> None:
+        """A one-line ValueError for settings of the kind that cannot go together."""
+
+    def weight(self) -> str:
+        """The source's weight in words (" (share 0.7)", " (repeat 3)", " (60 draws per epoch)"), or ""."""
+        return ((f" (share {self.share:g})" if self.share else "") + (f" (repeat {self.repeat:g})" if self.repeat else "")
+                + (f" ({self.choose} draws per epoch)" if self.choose else ""))
+
+
+@dataclass
+class ShardsSource(SourceKind):
+    """Tar shards (img2dataset layout, or a precompute output): a brace pattern, glob, folder or URL."""
+
+    KIND: ClassVar[str] = "shards"
+    shards: str = ""
+
+    def resolve(self, place: SourcePlace) -> list[str]:
+        return expand_urls(self.shards)
+
+    def describe(self) -> str:
+        return f"`{self.shards}` (img2dataset-layout tar shards)"
+
+    def check(self) -> None:
+        if not self.shards:
+            raise ValueError(f"data.sources: {self.name or 'a source'} has no shards; give shards: PATTERN")
+
+
+@dataclass
+class SyntheticSource(SourceKind):
+    """The project's synthetic shapes (`data.synthetic`): written once into `folder` (default: the run's folder for
+    the source), from `seed` (default: train.seed) at the run's resolution."""
+
+    KIND: ClassVar[str] = "synthetic"
+    RANGES: ClassVar[dict] = {"samples": ">= 1"}
+    samples: int = 2000
+    folder: str | None = None
+    seed: int | None = None
+
+    def resolve(self, place: SourcePlace) -> list[str]:
+        write = dict(num_samples=self.samples, resolution=place.resolution,
+                     seed=place.seed if self.seed is None else self.seed)
+        folder = self.folder or place.folder
+        if place.is_main:
+            write_synthetic_shards(folder, progress=True, **write)
+        place.wait()
+        return write_synthetic_shards(folder, **write)  # already complete: returns the paths without writing
+
+    def describe(self) -> str:
+        return f"the project's synthetic shapes ({self.samples} images)"
+
 
 @dataclass
 class Source:
-    """A source resolved to its shard files."""
+    """A source resolved to its shard files; `kind`: the entry it was resolved from."""
 
     name: str
     urls: list[str]
     share: float | None = None
     repeat: float | None = None
     choose: int | None = None
+    kind: SourceKind | None = None
+
+    def describe(self) -> str:
+        return self.kind.describe() if self.kind is not None else f"`{self.urls[0]}`, ..."
 
 
 WEIGHT_KEYS = ("share", "repeat", "choose")
 
 
-def _name(cfg: SourceConfig, i: int) -> str:
+def _name(cfg: SourceKind, i: int) -> str:
     return cfg.name or f"source{i}"
 
 
-def check_source_configs(configs: Sequence[SourceConfig]) -> None:
-    """ValueError (one line) for sources that cannot be mixed: no shards, a weight that is negative or not finite,
-    two weights on one source, shares on some sources only, a name used twice."""
+def check_source_configs(configs: Sequence[SourceKind]) -> None:
+    """ValueError (one line) for sources that cannot be mixed: a kind's own check (no shards), a weight that is
+    negative or not finite, two weights on one source, shares on some sources only, a name used twice."""
     names = [_name(c, i) for i, c in enumerate(configs)]
     for cfg, name in zip(configs, names):
-        if not cfg.shards:
-            raise ValueError(f"data.sources: {name} has no shards; give shards: PATTERN")
+        dataclasses.replace(cfg, name=name).check()
         for key in WEIGHT_KEYS:
             value = getattr(cfg, key)
             if not np.isfinite(value) or value < 0:
@@ -86,22 +171,23 @@ def check_source_configs(configs: Sequence[SourceConfig]) -> None:
                          f"has none); a source drawn never is a source left out")
 
 
-def resolve_sources(configs: Sequence[SourceConfig]) -> list[Source]:
-    """The sources with their shard files; FileNotFoundError (one line) for a source that matches no shard, a
-    ValueError for a shard in two sources or a source of pipe: commands (sources are read indexed: local files and
-    s3://, gs://, http(s):// URLs)."""
+def resolve_sources(configs: Sequence[SourceKind], place: SourcePlace | None = None) -> list[Source]:
+    """The sources with their shard files (source i of several writes what it writes under `place.folder`/i-NAME);
+    FileNotFoundError (one line) for a source that matches no shard, a ValueError for a shard in two sources or a
+    source of pipe: commands (sources are read indexed: local files and s3://, gs://, http(s):// URLs)."""
     check_source_configs(configs)
+    place = place or SourcePlace(Path("."))
     sources, owner = [], {}
     for i, cfg in enumerate(configs):
         name = _name(cfg, i)
         try:
-            urls = expand_urls(cfg.shards)
+            urls = cfg.resolve(dataclasses.replace(place, folder=place.folder / f"{i}-{safe_name(name)}"))
         except (FileNotFoundError, ValueError) as err:
             raise FileNotFoundError(f"data.sources: {name}: {err}") from None
         if not urls:
-            raise FileNotFoundError(f"data.sources: {name} matches no shard ({cfg.shards})")
+            raise FileNotFoundError(f"data.sources: {name} matches no shard ({cfg.describe()})")
         for url in urls:
-            if is_remote(url) and not is_indexable_remote(url):
+            if is_pipe(url):
                 raise ValueError(f"data.sources: {name} is a pipe: command ({url[:80]}); sources are read indexed: "
                                  f"give local shards or s3://, gs://, http(s):// URLs (a pipe streams alone, as "
                                  f"data.shards)")
@@ -110,8 +196,13 @@ def resolve_sources(configs: Sequence[SourceConfig]) -> list[Source]:
                 raise ValueError(f"data.sources: shard {url} is in both {owner[key]} and {name}; a sample belongs "
                                  f"to one source")
             owner[key] = name
-        sources.append(Source(name, urls, cfg.share or None, cfg.repeat or None, cfg.choose or None))
+        sources.append(Source(name, urls, cfg.share or None, cfg.repeat or None, cfg.choose or None, kind=cfg))
     return sources
+
+
+def safe_name(name: str) -> str:
+    """`name` as a file name: characters other than letters, digits, `.`, `_` and `-` become `_`."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 class SourceMix:
@@ -156,6 +247,10 @@ class SourceMix:
     def rate(self) -> np.ndarray:
         """Each sample's natural draws per epoch: its source's repeat factor."""
         return np.repeat(self.repeats, self.sizes)
+
+    def settings(self) -> list[dict[str, Any] | None]:
+        """Per source: its kind and every setting of it, as data (None for a source made without a kind)."""
+        return [None if s.kind is None else {"kind": s.kind.KIND, **dataclasses.asdict(s.kind)} for s in self.sources]
 
     def describe(self) -> list[dict[str, Any]]:
         """Per source: name, samples, draws per epoch, share of the draws, repeat factor."""

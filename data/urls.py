@@ -11,7 +11,7 @@ import braceexpand
 
 from .tars import INDEXABLE_PREFIXES, REMOTE_PREFIXES
 
-__all__ = ["is_remote", "expand_urls"]
+__all__ = ["is_remote", "is_pipe", "expand_urls"]
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -28,6 +28,12 @@ def _remote_glob(url: str, spec: str) -> list[str]:
 def is_remote(spec: str) -> bool:
     """True for specs webdataset streams (pipe:, http(s)://, s3://, gs://) rather than local files."""
     return spec.startswith(REMOTE_PREFIXES)
+
+
+def is_pipe(spec: str) -> bool:
+    """True for a remote spec that is neither s3://, gs:// nor http(s):// (a `pipe:` command): it can only be
+    streamed, never indexed or cached."""
+    return is_remote(spec) and not spec.startswith(INDEXABLE_PREFIXES)
 
 
 def expand_urls(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:

@@ -24,7 +24,7 @@ from data import concepts as C
 from data.balance import NoBalance, TemperatureBalance, build_concept_table, entry_counts
 from data.draw_plan import entry_table, index_captions, load_entry_table, plan_fingerprint
 from data.index import load_or_build_index, parse_sample
-from data.sources import SourceConfig, SourceMix, resolve_sources
+from data.sources import ShardsSource, SourceMix, resolve_sources
 from data.synthetic import COLOURS, SHAPES, write_synthetic_shards
 from shard_helpers import png, write_tar
 
@@ -147,7 +147,7 @@ def test_the_binding_rule_is_part_of_the_plan_fingerprint_and_the_entry_table_ke
     shard = write_tar(tmp_path / "part-000000.tar", [
         {"__key__": f"{i:04d}", "png": png((i, 0, 0)), "txt": c.encode()} for i, c in enumerate(captions)])
     index = load_or_build_index(shard, index_dir=tmp_path)
-    mix = SourceMix(resolve_sources([SourceConfig(shard)]), index.nsamples, 0)
+    mix = SourceMix(resolve_sources([ShardsSource(shards=shard)]), index.nsamples, 0)
     old, new = FirstMentionExtractor(), C.VocabExtractor()
     assert "red:square" not in build_concept_table(captions, old).sample_entries(0)  # the rules differ
     for balance in (NoBalance(), TemperatureBalance(0.5)):

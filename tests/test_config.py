@@ -101,7 +101,15 @@ def test_the_help_text_lists_every_setting_with_its_default_and_rule():
             keys.append(f"{section.name}.{f.name}")
             keys += [f"{section.name}.{f.name}.{g.name}{kind}" for kind, rule in kinds.get(f.name, {}).items()
                      for g in dataclasses.fields(rule)]
+            # a list of kinds: the settings every kind has once, then each kind's own with its kind
+            registry = getattr(getattr(defaults, section.name), "ITEM_KINDS", {}).get(f.name, {})
+            shared = set.intersection(*({g.name for g in dataclasses.fields(r)} for r in registry.values())) \
+                if registry else set()
+            keys += sorted({f"{section.name}.{f.name}[].{g.name}" + ("" if g.name in shared else kind)
+                            for kind, rule in registry.items() for g in dataclasses.fields(rule)})
     assert sorted(lines) == sorted(keys)
+    assert lines["data.sources[].share"].endswith("float      default 0.0 (every kind)")
+    assert lines["data.sources[].samplessynthetic"].endswith("default 2000 (kind synthetic), must be >= 1")
     assert text.startswith("usage: python train.py [--config FILE]")
     assert lines["model.text_encoder"].split()[1:] == ["str", "default", "auto"]
     assert lines["model.max_text_tokens"].endswith("default 0, must be >= 0 (0 = the text encoder's own)")

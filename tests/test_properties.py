@@ -30,7 +30,7 @@ from PIL import Image
 
 from data.index import load_or_build_index
 from data.indexed import make_indexed_loader
-from data.sources import SourceConfig
+from data.sources import ShardsSource
 from data.streaming import make_image_text_loader
 from data.settings import BALANCE_RULES
 from imba.training.config import CHOICES, KIND_RANGES, KIND_SETTINGS, RANGES, Config, ConfigError, load_config
@@ -143,7 +143,7 @@ def valid_override(draw) -> tuple[str, str, typing.Any]:
         share = draw(st.sampled_from(["", ", share: 0.5", ", repeat: 2", ", choose: 7"]))
         text = "[" + ", ".join(f"{{shards: {x}{share}}}" for x in shards) + "]"
         weight = {"": {}, ", share: 0.5": {"share": 0.5}, ", repeat: 2": {"repeat": 2.0}, ", choose: 7": {"choose": 7}}
-        return key, text, [SourceConfig(shards=x, **weight[share]) for x in shards]
+        return key, text, [ShardsSource(shards=x, **weight[share]) for x in shards]
     named = {"train.trackers": ["none", "tensorboard", "tensorboard,wandb", "all"],
              "objective.beta_schedule": ["linear", "scaled_linear", "squaredcos_cap_v2"],
              "data.cache_limit": ["0", "200GB", "500 MiB", "1.5kb", "7"]}

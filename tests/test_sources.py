@@ -18,7 +18,7 @@ from data.concepts.vocab import VocabExtractor
 from data.settings import BALANCE_RULES
 from data.draw_plan import describe_plan, load_plan, plan_draws, plan_fingerprint, plot_plan
 from data.index import ShardIndex, load_or_build_index
-from data.sources import Source, SourceConfig, SourceMix, check_same_kind, resolve_sources
+from data.sources import Source, ShardsSource, SourceMix, check_same_kind, resolve_sources
 from data.synthetic import write_synthetic_shards
 from data.weighted import WeightedOrder
 from imba.training.config import ConfigError, load_config
@@ -153,22 +153,22 @@ def mix_of(configs, epoch_samples=0):
 
 def test_shares_and_repeats_set_each_sources_draws(two_sets):
     root, big, small = two_sets
-    index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7), SourceConfig(str(root / "small"), share=0.3)])
+    index, mix = mix_of([ShardsSource(shards=str(root / "big"), share=0.7), ShardsSource(shards=str(root / "small"), share=0.3)])
     assert list(mix.sizes) == [90, 30] and mix.samples_per_epoch == 120
     assert list(mix.draws) == pytest.approx([84, 36]) and list(mix.repeats) == pytest.approx([84 / 90, 36 / 30])
-    _, mix = mix_of([SourceConfig(str(root / "big")), SourceConfig(str(root / "small"), repeat=3)])
+    _, mix = mix_of([ShardsSource(shards=str(root / "big")), ShardsSource(shards=str(root / "small"), repeat=3)])
     assert mix.samples_per_epoch == 180 and list(mix.repeats) == pytest.approx([1, 3])
-    _, mix = mix_of([SourceConfig(str(root / "big"), repeat=1), SourceConfig(str(root / "small"), repeat=3)], 90)
+    _, mix = mix_of([ShardsSource(shards=str(root / "big"), repeat=1), ShardsSource(shards=str(root / "small"), repeat=3)], 90)
     assert mix.samples_per_epoch == 90 and list(mix.repeats) == pytest.approx([0.5, 1.5])  # scaled to fill 90
-    _, mix = mix_of([SourceConfig(str(root / "big"), repeat=0.5), SourceConfig(str(root / "small"), choose=60)])
+    _, mix = mix_of([ShardsSource(shards=str(root / "big"), repeat=0.5), ShardsSource(shards=str(root / "small"), choose=60)])
     assert mix.samples_per_epoch == 105 and list(mix.draws) == pytest.approx([45, 60])  # absolute kinds mix
     assert list(mix.source_of([0, 89, 90, 119])) == [0, 0, 1, 1]
 
 
 def test_the_plan_keeps_the_shares_balances_within_them_and_is_reused_while_its_fingerprint_holds(two_sets, tmp_path):
     root, big, small = two_sets
-    index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7, name="big"),
-                         SourceConfig(str(root / "small"), share=0.3, name="small")])
+    index, mix = mix_of([ShardsSource(shards=str(root / "big"), share=0.7, name="big"),
+                         ShardsSource(shards=str(root / "small"), share=0.3, name="small")])
     captions = ["a red circle"] * 80 + ["a cyan ring"] * 10 + ["a red circle"] * 10 + ["a cyan ring"] * 20
     plan = plan_draws(index, mix, TemperatureBalance(1.0), tmp_path, captions=lambda: iter(captions))
     e = plan.expected
@@ -273,7 +273,7 @@ def test_every_setting_that_decides_the_plan_changes_its_fingerprint(two_sets, t
                 f.write(b"\0" * padding)
         if mtime_ns is not None:
             os.utime(copy, ns=(mtime_ns, mtime_ns))
-        index, mix = mix_of([SourceConfig(str(root / "big"), **weights[0]), SourceConfig(shards, **weights[1])],
+        index, mix = mix_of([ShardsSource(shards=str(root / "big"), **weights[0]), ShardsSource(shards=shards, **weights[1])],
                             epoch)
         return plan_fingerprint(index, mix, balance, extractor)
 
@@ -310,7 +310,7 @@ def test_every_setting_that_decides_the_plan_changes_its_fingerprint(two_sets, t
 
 def test_drawn_shares_match_the_plan_within_the_bound_of_the_sample_count(two_sets, tmp_path):
     root, big, small = two_sets
-    index, mix = mix_of([SourceConfig(str(root / "big"), share=0.7), SourceConfig(str(root / "small"), share=0.3)])
+    index, mix = mix_of([ShardsSource(shards=str(root / "big"), share=0.7), ShardsSource(shards=str(root / "small"), share=0.3)])
     plan = plan_draws(index, mix, CapBalance(5), tmp_path)
     order = WeightedOrder(plan.units, plan.samples_per_epoch, seed=0)
     draws = order.samples(np.arange(50 * 120))  # 50 epochs
@@ -392,7 +392,12 @@ def index_key(index, i):
     (["data.sources=[{name: x}]"], "x has no shards"),
     (["data.sources=[{shards: a, name: x}, {shards: b, name: x}]"], "the names ['x', 'x'] repeat"),
     (["data.sources=[{shards: a, weight: 2}]"], "unknown config key 'data.sources[0].weight'"),
-    (["data.sources=[a/*.tar]"], "expects a mapping with keys shards, name, share, repeat, choose"),
+    (["data.sources=[a/*.tar]"], "expects a mapping of a kind's settings (shards: name, share, repeat, choose, "
+                                 "shards; or kind: one of shards, synthetic)"),
+    (["data.sources=[{kind: parquet, shards: a}]"], "'data.sources[0]' must be one of shards, synthetic (its kind)"),
+    (["data.sources=[{shards: a, samples: 3}]"], "'data.sources[0].samples' (data.sources[0] kind shards reads"),
+    (["data.sources=[{kind: synthetic, samples: 0}]"], "'data.sources[0].samples' must be >= 1, got 0"),
+    (["data.sources=[{kind: synthetic}, {shards: ''}]"], "data.sources: source1 has no shards"),
     (["data.shards=a", "data.sources=[{shards: b}]"], "give data.shards or data.sources, not both"),
     (["data.balance=cap"], "'data.balance.cap' must be >= 1 (MetaCLIP: 20000 for 400M captions), got 0"),
     (["data.balance=inverse"], "'data.balance' must be one of none, temperature, cap, imba (its kind)"),
@@ -415,22 +420,22 @@ def test_bad_source_and_balance_settings_are_one_line_errors(overrides, message)
 def test_sources_that_cannot_be_read_as_one_are_refused_in_one_line(two_sets, tmp_path):
     root, big, small = two_sets
     with pytest.raises(FileNotFoundError, match="data.sources: source1: no shards found"):
-        resolve_sources([SourceConfig(str(root / "big")), SourceConfig(str(tmp_path / "missing"))])
+        resolve_sources([ShardsSource(shards=str(root / "big")), ShardsSource(shards=str(tmp_path / "missing"))])
     with pytest.raises(ValueError, match="is in both source0 and source1"):
-        resolve_sources([SourceConfig(str(root / "big")), SourceConfig(big[0])])
+        resolve_sources([ShardsSource(shards=str(root / "big")), ShardsSource(shards=big[0])])
     with pytest.raises(ValueError, match="source0 is a pipe: command .* sources are read indexed"):
-        resolve_sources([SourceConfig("pipe:curl -s https://example.org/{0..3}.tar")])
-    remote = resolve_sources([SourceConfig("https://example.org/{0..1}.tar"), SourceConfig("s3://bucket/a.tar")])
+        resolve_sources([ShardsSource(shards="pipe:curl -s https://example.org/{0..3}.tar")])
+    remote = resolve_sources([ShardsSource(shards="https://example.org/{0..1}.tar"), ShardsSource(shards="s3://bucket/a.tar")])
     assert [s.urls for s in remote] == [["https://example.org/0.tar", "https://example.org/1.tar"],
                                         ["s3://bucket/a.tar"]]
     with pytest.raises(ValueError, match="is in both source0 and source1"):
-        resolve_sources([SourceConfig("s3://bucket/{a,b}.tar"), SourceConfig("s3://bucket/b.tar")])
+        resolve_sources([ShardsSource(shards="s3://bucket/{a,b}.tar"), ShardsSource(shards="s3://bucket/b.tar")])
     empty = tmp_path / "empty.tar"
     import tarfile
 
     tarfile.open(empty, "w").close()
     with pytest.raises(ValueError, match="source1 has no readable samples"):
-        SourceMix(resolve_sources([SourceConfig(big[0]), SourceConfig(str(empty))]), [40, 0])
+        SourceMix(resolve_sources([ShardsSource(shards=big[0]), ShardsSource(shards=str(empty))]), [40, 0])
 
 
 PRECOMPUTE = dict(resolution=32, vae="tiny", text_encoder="tiny-words", max_text_tokens=12)
@@ -452,10 +457,10 @@ def test_image_shards_mixed_with_precomputed_ones_are_refused(two_sets, precompu
     root, big, small = two_sets
     precompute_shards(small, tmp_path / "b", PrecomputeSettings(**{**PRECOMPUTE, "max_text_tokens": 10}))
     with pytest.raises(ValueError, match="source0 hold precomputed features, source1 image shards"):
-        check_same_kind(resolve_sources([SourceConfig(str(precomputed)), SourceConfig(str(root / "big"))]))
+        check_same_kind(resolve_sources([ShardsSource(shards=str(precomputed)), ShardsSource(shards=str(root / "big"))]))
     with pytest.raises(ValueError, match=r"source1's features were made with other settings .*max_text_tokens=10"):
-        check_same_kind(resolve_sources([SourceConfig(str(precomputed)), SourceConfig(str(tmp_path / "b"))]))
-    assert check_same_kind(resolve_sources([SourceConfig(str(precomputed))]))["max_text_tokens"] == 12
+        check_same_kind(resolve_sources([ShardsSource(shards=str(precomputed)), ShardsSource(shards=str(tmp_path / "b"))]))
+    assert check_same_kind(resolve_sources([ShardsSource(shards=str(precomputed))]))["max_text_tokens"] == 12
 
 
 # How a precomputed sample reads, as its manifest records it: a value other than PRECOMPUTE's for each. The
@@ -489,7 +494,7 @@ def test_precomputed_sources_that_read_differently_are_refused(precomputed, tmp_
             changed["settings"] = {**changed["settings"], key: value}
         changed["version"] = format_version(changed["text_dtype"])
         (folder / MANIFEST_NAME).write_text(json.dumps(changed))
-        return resolve_sources([SourceConfig(str(precomputed)), SourceConfig(str(folder))])
+        return resolve_sources([ShardsSource(shards=str(precomputed)), ShardsSource(shards=str(folder))])
 
     for key, value in FEATURE_SETTINGS.items():
         with pytest.raises(ValueError, match=rf"source1's features were made with other settings .*\b{key}="):
@@ -513,7 +518,7 @@ def test_weights_computed_in_blocks_of_rows_equal_the_whole(monkeypatch):
 
 def test_captions_that_do_not_match_the_shards_are_refused_and_a_damaged_plan_is_recomputed(two_sets, tmp_path):
     root, big, small = two_sets
-    index, mix = mix_of([SourceConfig(str(root / "big")), SourceConfig(str(root / "small"))])
+    index, mix = mix_of([ShardsSource(shards=str(root / "big")), ShardsSource(shards=str(root / "small"))])
     settings = TemperatureBalance(1.0)
     with pytest.raises(ValueError, match="cover 119 captions, the shards 120 samples"):
         plan_draws(index, mix, settings, tmp_path, captions=lambda: iter(["a red circle"] * 119))
@@ -549,7 +554,7 @@ def test_a_missing_share_names_the_source_without_one():
     from data.sources import check_source_configs
 
     with pytest.raises(ValueError, match=r"\(plain has none\)"):
-        check_source_configs([SourceConfig("a", share=1.0, name="shared"), SourceConfig("b", name="plain")])
+        check_source_configs([ShardsSource(shards="a", share=1.0, name="shared"), ShardsSource(shards="b", name="plain")])
 
 
 def test_precomputed_sources_that_differ_are_named_with_both_values(monkeypatch):
@@ -777,3 +782,62 @@ def test_the_most_boosted_combinations_come_first_whatever_their_count(tmp_path)
     assert [row[0] for row in plan.report["most_boosted_combinations"]] == [
         "black:cross", "cross + square", "cyan:ring", "green:star", "ring + square", "square + star",  # 1 sample each
         "red:square", "blue:circle", "yellow:triangle"]
+
+
+def _other(value, hint: str):
+    """A value of the setting's type that differs from `value`."""
+    if "int" in hint:
+        return (value or 0) + 7
+    if "float" in hint:
+        return (value or 0.0) + 0.5
+    return f"{value or ''}other"
+
+
+def test_every_setting_of_every_source_kind_changes_the_plans_fingerprint(two_sets):
+    """The sources' settings enter the fingerprint as data: a kind registered later, with settings of its own, cannot
+    leave one out. The shards and the draws are held equal, so only the setting differs."""
+    from data.settings import SOURCE_KINDS
+
+    root, big, small = two_sets
+    index = load_or_build_index(big + small)
+
+    def fingerprint(kind):
+        sources = [Source("a", big, share=0.5, kind=kind), Source("b", small, share=0.5, kind=ShardsSource(shards="b"))]
+        return plan_fingerprint(index, SourceMix(sources, index.nsamples), TemperatureBalance())
+
+    ignored = []
+    for name, kind in SOURCE_KINDS.items():
+        base = kind(share=0.5)
+        for f in dataclasses.fields(kind):
+            if f.name in ("share", "repeat", "choose"):  # weights: held equal here (the draws test above varies them)
+                continue
+            changed = dataclasses.replace(base, **{f.name: _other(getattr(base, f.name), str(f.type))})
+            if fingerprint(changed) == fingerprint(base):
+                ignored.append(f"{name}.{f.name}")
+    assert not ignored, f"the plan's fingerprint ignores {ignored}"
+
+
+def test_a_synthetic_source_mixes_with_shards_and_is_named_on_the_card(two_sets, tmp_path, capsys):
+    """data.sources of two kinds: the synthetic set written once into the run folder (its own seed), mixed with
+    tar shards by share; the start-up log and the model card name each source by its kind's words."""
+    from imba.training.model_card import model_card
+
+    root, big, small = two_sets
+    cfg = load_config([*RUN, f"train.output_dir={tmp_path}",
+                       f"data.sources=[{{kind: synthetic, name: shapes, samples: 24, seed: 5, share: 0.25}}, "
+                       f"{{shards: {root / 'big'}, share: 0.75}}]"])
+    sources = training_sources(cfg, Accelerator(cpu=True), tmp_path)
+    assert [s.name for s in sources] == ["shapes", "source1"]
+    assert sources[0].urls == write_synthetic_shards(tmp_path / "sources" / "0-shapes", num_samples=24, resolution=32,
+                                                     seed=5)
+    assert sources[1].urls == big
+    log = capsys.readouterr().out
+    assert "data: shapes: the project's synthetic shapes (24 images) (share 0.25), 1 shards" in log
+    assert f"data: source1: `{root / 'big'}` (img2dataset-layout tar shards) (share 0.75), {len(big)} shards" in log
+    card = model_card(cfg, 10)
+    assert (f"the project's synthetic shapes (24 images) (share 0.25); `{root / 'big'}` (img2dataset-layout tar "
+            f"shards) (share 0.75)") in card
+    # the same run resolves the same shards without writing them again
+    mtime = os.stat(sources[0].urls[0]).st_mtime_ns
+    assert training_sources(cfg, Accelerator(cpu=True), tmp_path)[0].urls == sources[0].urls
+    assert os.stat(sources[0].urls[0]).st_mtime_ns == mtime

@@ -245,6 +245,18 @@ def _apply(cfg, updates: dict, prefix: str = "") -> None:
                 hint = f"{prefix[:-1]} kind {cfg.KIND} {reads}" + (f"; {hint}" if close else "")
             raise ConfigError(f"unknown config key {key!r} ({hint})")
         current = getattr(cfg, name)
+        if name in getattr(cfg, "ITEM_KINDS", {}):  # a list of kinds: each item a kind's name or settings
+            if not isinstance(value, list):
+                raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
+            registry = cfg.ITEM_KINDS[name]
+            first = next(iter(registry.values()))  # the kind of an item that names none
+            for i, item in enumerate(value):
+                if not isinstance(item, dict) and item not in registry:
+                    raise ConfigError(f"config key '{key}[{i}]' expects a mapping of a kind's settings ({first.KIND}: "
+                                      f"{', '.join(f.name for f in dataclasses.fields(first))}; or kind: one of "
+                                      f"{', '.join(registry)}) or a kind's name, got {item!r}")
+            setattr(cfg, name, [_kind_setting(f"{key}[{i}]", first(), item, registry) for i, item in enumerate(value)])
+            continue
         if name in kinds:
             setattr(cfg, name, _kind_setting(key, current, value, kinds[name]))
             continue
@@ -409,6 +421,10 @@ KIND_SETTINGS: dict[str, dict[str, type]] = {**Config.KINDS, **{
     f"{section}.{name}": registry for section, kind in _SECTIONS.items()
     for name, registry in getattr(kind, "KINDS", {}).items()}}
 _FIXED = {section: kind for section, kind in _SECTIONS.items() if section not in Config.KINDS}  # one dataclass
+# every list of kinds (data.sources): dotted key → {kind: dataclass}
+ITEM_KIND_SETTINGS: dict[str, dict[str, type]] = {
+    f"{section}.{name}": registry for section, kind in _SECTIONS.items()
+    for name, registry in getattr(kind, "ITEM_KINDS", {}).items()}
 
 # Every section's choices and ranges under their dotted keys (a range written wrongly fails here, at import)
 CHOICES = {f"{section}.{name}": allowed for section, kind in _FIXED.items()
@@ -419,10 +435,12 @@ RANGES = {f"{section}.{name}": _Range.parse(spec) for section, kind in _FIXED.it
 # the settings of each kind of a kind setting: dotted key → {kind: its range}, e.g. "data.balance.alpha" →
 # {"temperature": >= 0, "imba": >= 0}
 KIND_RANGES: dict[str, dict[str, _Range]] = {}
-for _key, _registry in KIND_SETTINGS.items():
-    for _choice, _rule in _registry.items():
-        for _field, _spec in _rule.RANGES.items():
-            KIND_RANGES.setdefault(f"{_key}.{_field}", {})[_choice] = _Range.parse(_spec)
+ITEM_KIND_RANGES: dict[str, dict[str, _Range]] = {}  # the same for the items of a list of kinds
+for _ranges, _settings in ((KIND_RANGES, KIND_SETTINGS), (ITEM_KIND_RANGES, ITEM_KIND_SETTINGS)):
+    for _key, _registry in _settings.items():
+        for _choice, _rule in _registry.items():
+            for _field, _spec in _rule.RANGES.items():
+                _ranges.setdefault(f"{_key}.{_field}", {})[_choice] = _Range.parse(_spec)
 
 
 def setting(cfg, key: str):
@@ -432,9 +450,14 @@ def setting(cfg, key: str):
     return cfg
 
 
-def _kind_settings(cfg: Config) -> list[tuple[str, Any]]:
-    """(dotted key, value) of every kind setting, e.g. ("data.balance", TemperatureBalance(alpha=0.5))."""
-    return [(key, setting(cfg, key)) for key in KIND_SETTINGS]
+def _kind_settings(cfg: Config) -> list[tuple[str, Any, dict[str, dict[str, _Range]]]]:
+    """(dotted key, value, the ranges of its kinds' settings by "key.setting") of every kind setting and of every
+    item of a list of kinds, e.g. ("data.balance", TemperatureBalance(alpha=0.5), KIND_RANGES) and
+    ("data.sources[1]", SyntheticSource(...), ITEM_KIND_RANGES)."""
+    found = [(key, setting(cfg, key), KIND_RANGES) for key in KIND_SETTINGS]
+    for key in ITEM_KIND_SETTINGS:
+        found += [(f"{key}[{i}]", item, ITEM_KIND_RANGES) for i, item in enumerate(setting(cfg, key))]
+    return found
 
 
 def _validate(cfg: Config) -> None:
@@ -445,13 +468,14 @@ def _validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not allowed.holds(value):
             raise ConfigError(f"config key {key!r} must be {allowed}, got {value}")
-    for key, rule in _kind_settings(cfg):
+    for key, rule, ranges in _kind_settings(cfg):
         for name in rule.RANGES:
-            allowed, value = KIND_RANGES[f"{key}.{name}"][rule.KIND], getattr(rule, name)
+            allowed, value = ranges[f"{key.split('[')[0]}.{name}"][rule.KIND], getattr(rule, name)
             if not allowed.holds(value):
                 raise ConfigError(f"config key '{key}.{name}' must be {allowed}, got {value}")
         try:
-            rule.check()
+            if ranges is KIND_RANGES:  # an item of a list is checked by its section, which knows its name
+                rule.check()
         except ValueError as err:
             raise ConfigError(str(err)) from err
     for section in _FIXED:
@@ -483,17 +507,29 @@ def written(value) -> str:
 
 
 def _kind_lines(key: str, default, registry: dict[str, type]) -> list[str]:
-    """--help's lines of a kind setting: its kind, then each kind's settings."""
-    lines = [f"  {key:<34} {'kind':<10} default {default.KIND}, one of {', '.join(registry)}"]
-    for choice, rule in registry.items():
+    """--help's lines of a kind setting (`default`: its default value) or of a list of kinds (`default`: a list):
+    its kind, then each kind's settings."""
+    items = isinstance(default, list)
+    if items:
+        lines = [f"  {key:<34} {'list':<10} default {written(as_data(default))}; each item a kind, default "
+                 f"{next(iter(registry))}, one of {', '.join(registry)}"]
+    else:
+        lines = [f"  {key:<34} {'kind':<10} default {default.KIND}, one of {', '.join(registry)}"]
+    ranges, prefix = (ITEM_KIND_RANGES, f"{key}[]") if items else (KIND_RANGES, key)
+    # the items' kinds share their weights: listed once
+    shared = set.intersection(*({f.name for f in dataclasses.fields(r)} for r in registry.values())) if items else set()
+    for n, (choice, rule) in enumerate(registry.items()):
         hints = typing.get_type_hints(rule)
         for f in dataclasses.fields(rule):
-            line = (f"  {f'{key}.{f.name}':<34} {hints[f.name].__name__:<10} default {written(getattr(rule(), f.name))}"
-                    f" (kind {choice})")
+            if f.name in shared and n:
+                continue
+            type_name = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+            line = (f"  {f'{prefix}.{f.name}':<34} {type_name:<10} default {written(getattr(rule(), f.name))}"
+                    f" ({'every kind' if f.name in shared else f'kind {choice}'})")
             if f.name in rule.CHOICES:
                 line += f", one of {', '.join(map(str, rule.CHOICES[f.name]))}"
             elif f.name in rule.RANGES:
-                line += f", must be {KIND_RANGES[f'{key}.{f.name}'][choice]}"
+                line += f", must be {ranges[f'{key}.{f.name}'][choice]}"
             lines.append(line)
     return lines
 
@@ -512,8 +548,8 @@ def help_text() -> str:
         for f in dataclasses.fields(kind):
             key, hint = f"{section}.{f.name}", hints[f.name]
             default = getattr(getattr(defaults, section), f.name)
-            if key in KIND_SETTINGS:
-                lines += _kind_lines(key, default, KIND_SETTINGS[key])
+            if key in KIND_SETTINGS or key in ITEM_KIND_SETTINGS:
+                lines += _kind_lines(key, default, {**KIND_SETTINGS, **ITEM_KIND_SETTINGS}[key])
                 continue
             type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
             line = f"  {key:<34} {type_name:<10} default {written(default)}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -26,8 +25,7 @@ from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import MANIFEST_NAME, find_manifest
 from data.skips import NoUsableSamples, too_small_advice
 from data.urls import expand_urls, is_remote
-from data.sources import Source, SourceMix, check_same_kind, resolve_sources
-from data.synthetic import write_synthetic_shards
+from data.sources import Source, SourceMix, SourcePlace, check_same_kind, resolve_sources, safe_name
 from data.weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
 from imba.training.balancing import OnlineBalancer, loader_lag
 from imba.training.config import Config, ConfigError
@@ -38,29 +36,25 @@ SOURCE_NAME = "source.json"  # which input shards (and their sizes and times) a 
 PLAN_POLL_S = 1.0  # how often the other ranks look for the plan the main process is computing
 
 
-def training_shards(cfg: Config, accelerator: Accelerator, out: Path) -> list[str]:
-    """The configured shards, or a synthetic shard set written once by the main process."""
-    if cfg.data.shards:
-        return expand_urls(cfg.data.shards)
-    if cfg.data.sources:
-        raise ValueError("training_shards: the run reads data.sources (training_sources)")
-    folder = Path(cfg.data.synthetic_dir or RunFolder(out).synthetic_train)
-    write = dict(num_samples=cfg.data.synthetic_samples, resolution=cfg.data.resolution, seed=cfg.train.seed)
-    if accelerator.is_main_process:
-        write_synthetic_shards(folder, progress=True, **write)
-    accelerator.wait_for_everyone()
-    return write_synthetic_shards(folder, **write)  # already complete: returns the paths without writing
-
-
 def training_sources(cfg: Config, accelerator: Accelerator, out: Path) -> list[Source]:
-    """data.sources resolved to their shards, else data.shards or the synthetic set as the one source."""
-    if not cfg.data.sources:
-        return [Source("shards" if cfg.data.shards else "synthetic", training_shards(cfg, accelerator, out))]
-    try:
-        sources = resolve_sources(cfg.data.sources)
-        check_same_kind(sources)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    """What the run reads (`DataConfig.source_kinds`: data.sources, else data.shards or the synthetic set as one
+    source) resolved to their shards; a kind that writes its shards (the synthetic set) writes them once, on the
+    main process, into the run folder (`RunFolder.synthetic_train` for the one source, `RunFolder.sources` for
+    data.sources)."""
+    d, run = cfg.data, RunFolder(out)
+    place = SourcePlace(run.sources if d.sources else run.synthetic_train, resolution=d.resolution,
+                        seed=cfg.train.seed, is_main=accelerator.is_main_process, wait=accelerator.wait_for_everyone)
+    if not d.sources:
+        (kind,) = d.source_kinds()
+        sources = [Source(kind.name, kind.resolve(place), kind=kind)]
+    else:
+        try:
+            sources = resolve_sources(d.sources, place)
+            check_same_kind(sources)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    for source in sources:
+        accelerator.print(f"data: {source.name}: {source.describe()}{source.kind.weight()}, {len(source.urls)} shards")
     return sources
 
 
@@ -126,7 +120,7 @@ def precompute_sources(cfg: Config, accelerator: Accelerator, out: Path, sources
     """Each source's shards encoded once (`precompute_once`): features/train/ for one source, features/train-I-NAME/
     for source I of several."""
     def folder(i: int, name: str) -> str:
-        return f"train-{i}-" + re.sub(r"[^A-Za-z0-9._-]", "_", name) if len(sources) > 1 else "train"
+        return f"train-{i}-{safe_name(name)}" if len(sources) > 1 else "train"
 
     return [dataclasses.replace(s, urls=precompute_once(cfg, accelerator, out, s.urls, folder(i, s.name)))
             for i, s in enumerate(sources)]

@@ -41,14 +41,7 @@ def _part(spec: str) -> str:
 
 def _data_line(cfg: Config) -> str:
     d = cfg.data
-    if d.sources:
-        text = "; ".join(f"`{s.shards}`" + (f" (share {s.share:g})" if s.share else "")
-                         + (f" (repeat {s.repeat:g})" if s.repeat else "")
-                         + (f" ({s.choose} draws per epoch)" if s.choose else "") for s in d.sources)
-    elif d.shards:
-        text = f"`{d.shards}` (img2dataset-layout tar shards)"
-    else:
-        text = f"the project's synthetic shapes ({d.synthetic_samples} images)"
+    text = "; ".join(kind.describe() + kind.weight() for kind in d.source_kinds())
     balance = d.balance.describe()
     return f"{text}, {balance}" if balance else text
 

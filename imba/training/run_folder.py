@@ -11,6 +11,7 @@
       features/{train,val}/    data.precompute: the shards encoded once by the frozen VAE and T5
       synthetic_shards/        the synthetic training set, when data.synthetic_dir does not name one
       synthetic_val/           the synthetic validation set
+      sources/<i>-<name>/      what a source of data.sources writes (kind synthetic, without a folder of its own)
       concepts/concepts.json   train.concept_stats=auto: the synthetic set's concept statistics
 """
 
@@ -69,6 +70,10 @@ class RunFolder:
     @property
     def synthetic_train(self) -> Path:
         return self.root / "synthetic_shards"
+
+    @property
+    def sources(self) -> Path:
+        return self.root / "sources"
 
     @property
     def synthetic_val(self) -> Path:
