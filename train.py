@@ -18,31 +18,28 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 from data.skips import reader_stats
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
-from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest
+from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest, run_predict
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint, export_run
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_message
 from imba.training.hooks import Hooks
 from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
-from imba.training.metrics import (ConceptBuckets, DrawLog, JsonlLogger, MetricWindow, Throughput,
-                                   reduce_over_ranks)
+from imba.training.metrics import ConceptBuckets, DrawLog, MetricWindow, StepLog, reduce_over_ranks
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
-from imba.training.resume import global_batch_change, plan_resume, restore, stream_position
+from imba.training.resume import continue_stream, plan_resume, restore
 from imba.training.run_folder import RunFolder
 from imba.training.sampling import GridSampler, prompts_from_data
 from imba.training.setting_changes import check_resumed_settings
 from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
-from models.dit import apply_speed_settings, predict
+from models.dit import apply_speed_settings
 from models.lora import describe
-from models.pipeline import PIPELINES
 
 
 def main(argv: list[str]) -> int:
@@ -93,24 +90,19 @@ def main(argv: list[str]) -> int:
     wrapped, optimizer, lr_scheduler = accelerator.prepare(dit, optimizer, lr_scheduler)
     dit = accelerator.unwrap_model(wrapped)  # the bare DiT (config, EMA, no-grad passes); ZeRO-3: partitioned
     ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)  # ZeRO-3: each rank averages its own slice
-    state = TrainState(world_size=accelerator.num_processes, loss=loss_fn)
+    state = TrainState(world_size=accelerator.num_processes)
     # an online data.balance rule: sampling weights that follow the IMBA distance; its statistics resume with the run
     balancer = online_balancer(cfg, accelerator, sources, dit.config.patch_size, objective.num_train_timesteps)
     hooks = Hooks(accelerator, [balancer])  # called beside the step; those with state are checkpointed
-    register_state(accelerator, ema, state, hooks.checkpointed())
+    register_state(accelerator, ema, state, loss_fn, hooks.checkpointed())
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
     global_batch = cfg.global_batch(accelerator.num_processes)  # samples per step
     accelerator.print(f"batch: {global_batch} samples a step ({cfg.data.batch_size} per process × "
                       f"{cfg.train.grad_accum} accumulation steps × {accelerator.num_processes} processes); text "
                       f"encoder {cfg.model.text_encoder} ({cfg.model.max_text_tokens} tokens), VAE {cfg.model.vae}")
-    # what a checkpoint that records no data position read per step: its processes, this run's batch and accumulation
-    unrecorded = global_batch // accelerator.num_processes * resume.saved_world_size
-    if change := global_batch_change(state, unrecorded, global_batch):
-        accelerator.print(change)
     # the samples of the global stream consumed so far: counted step by step, whatever the earlier process counts
-    position = stream_position(state, unrecorded)
-    state.world_size, state.samples, state.samples_per_step = accelerator.num_processes, position.samples, global_batch
+    position = continue_stream(resume, accelerator, state, global_batch)
 
     # ---- data ------------------------------------------------------------------------------------------------
     # the loader continues at that position (weighted stream: the same draws on any process count)
@@ -126,14 +118,13 @@ def main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run.config)
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
-    metrics_log = JsonlLogger(run.metrics, keep_until=state.step) if is_main else None
+    log = StepLog(accelerator, run.metrics, state.step, cfg.train.max_steps, global_batch, data_stats)
     if cfg.data.record_draws:  # the sample indices each rank trains on
         hooks.add(DrawLog(run.draw_log(accelerator.process_index), state.step))
-    window, monitor = MetricWindow(), ConceptBuckets(bucketer)  # the IMBA monitor per concept bucket
-    hooks.add(monitor)
-    validator = Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None
-    progress = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not is_main, desc="train")
-    throughput = Throughput(global_batch, state.step)
+    hooks.add(ConceptBuckets(bucketer))  # the IMBA monitor per concept bucket
+    hooks.add(Validator(cfg, accelerator, val_shards, features, manifest, objective, bucketer) if val_shards else None)
+    hooks.add(grids)  # a sample grid every train.sample_every steps
+    window = MetricWindow()
     preemption = PreemptionHandler()  # SIGUSR1/SIGTERM: finish the step, checkpoint, exit for a requeue
 
     def finish(exit_code: int) -> int:
@@ -144,12 +135,7 @@ def main(argv: list[str]) -> int:
     # a non-finite loss or gradient norm skips the step on every rank; fp16: the GradScaler judges the gradients
     guard = DivergenceGuard(accelerator, cfg.train.max_bad_steps, check_grad_norm=accelerator.scaler is None)
     config_text = dump_config(cfg)  # stored in every checkpoint
-
-    def predict_fn(noisy, timesteps, embeds, mask):
-        # No-grad passes (the efficient estimator's weights) bypass the DDP wrapper: its forward broadcasts buffers,
-        # a collective, and ranks may differ in whether they run that pass at all.
-        return predict(wrapped if torch.is_grad_enabled() else dit, noisy, timesteps, embeds, mask,
-                       features.vae_scale)
+    predict_fn = run_predict(wrapped, dit, features.vae_scale)  # no-grad passes bypass the DDP wrapper
 
     while state.step < cfg.train.max_steps:
         batch = next(batches)
@@ -176,7 +162,7 @@ def main(argv: list[str]) -> int:
             continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
 
         state.advance(global_batch)
-        progress.update(1)
+        log.advance()
         step, last = state.step, state.step == cfg.train.max_steps
         for line in hooks.step_end(step):  # e.g. the online balance's new weights, in effect a few steps on
             accelerator.print(line)
@@ -185,22 +171,11 @@ def main(argv: list[str]) -> int:
                               f"({guard.consecutive} in a row, the run stops at {guard.max_bad_steps})")
         else:
             ema.step(dit.parameters())
-        val = {}
-        if validator is not None and step % cfg.train.val_every == 0:
-            with throughput.paused():
-                val = validator.run(dit, ema)  # the EMA on the fixed held-out set
+        with log.paused():
+            val = hooks.evaluate(step, dit, ema)  # e.g. the EMA on the fixed held-out set, every train.val_every
         if step % cfg.train.log_every == 0 or last or val:
-            metrics = reduce_over_ranks(accelerator, window.means() | monitor.means()) | val
-            metrics.update(lr=lr_scheduler.get_last_lr()[0], ema_decay=ema.cur_decay_value,
-                           images_per_s=throughput.images_per_s(step))
-            metrics["nonfinite_steps"] = guard.skipped
-            if data_stats is not None:
-                metrics["data_skipped"] = data_stats.bad_total
-            throughput.restart(step)
-            accelerator.log(metrics, step=step)
-            if is_main:
-                metrics_log.log(step, metrics)
-                progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+            log.write(step, reduce_over_ranks(accelerator, window.means() | hooks.means()) | val | {
+                "lr": lr_scheduler.get_last_lr()[0], "ema_decay": ema.cur_decay_value, "nonfinite_steps": guard.skipped})
         preempted = preemption.should_stop(accelerator) and not last
         # no periodic checkpoint of a skipped step: the run may be diverging, and rotation would drop good ones
         periodic = cfg.train.save_every and step % cfg.train.save_every == 0 and not skip
@@ -208,28 +183,25 @@ def main(argv: list[str]) -> int:
         if diverged := guard.divergence(saving, dit, ema):  # nothing of it is saved
             accelerator.print(f"error: {diverged_message(diverged, step, newest_intact(checkpoint_root))}")
             return finish(DIVERGED_EXIT_CODE)
-        with throughput.paused():
+        with log.paused():
             if saving:
                 hooks.before_save()  # e.g. every rank's observations since the last refresh, in the checkpoint
                 save_checkpoint(accelerator, checkpoint_root, step, cfg.train.keep_checkpoints, config_text)
-            if not last and not preempted and cfg.train.sample_every and step % cfg.train.sample_every == 0:
-                grids.save(dit, ema, step)
+            if not last and not preempted:
+                hooks.between_steps(step, dit, ema)  # e.g. a sample grid
         if preempted:
             accelerator.print(f"pre-empted: checkpoint at step {step} saved; exiting with {REQUEUE_EXIT_CODE} "
                               "so the job is requeued (it resumes from the latest checkpoint)")
             return finish(REQUEUE_EXIT_CODE)
-    progress.close()
+    log.close()
 
     print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(dit)}"
           + (f"; data: {data_stats.summary()}" if data_stats is not None else ""))
 
     # ---- last grid, export: EMA weights + frozen parts as a stock diffusers pipeline folder, its model card ------
     ema_model = grids.save(dit, ema, state.step)  # a clean instance: no compile/checkpointing state
-    if is_main:
+    if is_main:  # the pipeline folder, its model card, and the line that says where everything is
         export_run(run, cfg, ema_model, grids.pipeline_parts(), dit, ema, state.step, accelerator.num_processes)
-        print(f"done: step {state.step}. outputs in {out}/: checkpoints/ (resume with --resume latest), "
-              f"samples/ (grids), metrics.jsonl, config.yaml, export/ "
-              f"({PIPELINES[grids.pipeline].__name__}.from_pretrained('{run.export}'))")
     accelerator.wait_for_everyone()
     return finish(0)
 

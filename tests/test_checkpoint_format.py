@@ -96,7 +96,8 @@ class TinyRun:
         model = torch.nn.Linear(8, 4)
         self.model, self.optimizer = self.accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         self.ema, self.state, self.draws = make_ema(self.model.parameters()), TrainState(world_size=1), Draws()
-        register_state(self.accelerator, self.ema, self.state)
+        self.loss = Draws()  # stands for the training loss's running state
+        register_state(self.accelerator, self.ema, self.state, self.loss)
         register(self.accelerator, "draws", self.draws, per_rank=True)
         self.root = root
 
@@ -125,6 +126,29 @@ def test_state_files_are_named_by_what_they_hold_and_the_manifest_names_the_form
     assert checkpoints.checkpoint_format(checkpoint) == 2 and checkpoints.is_checkpoint(checkpoint)
     assert torch.load(checkpoint / "train_state.pt", weights_only=False)["step"] == 1
     assert load_ema_state(checkpoint)["optimization_step"] == 1
+
+
+def test_the_loss_state_is_a_part_of_its_own_and_read_from_the_counters_of_a_checkpoint_that_kept_it_there(
+        run, capsys):
+    run.loss.n = 3
+    checkpoint = run.save()
+    assert torch.load(checkpoint / "loss.pt", weights_only=False) == {"n": 3}
+    counters = torch.load(checkpoint / "train_state.pt", weights_only=False)
+    assert set(counters) == {"step", "world_size", "samples", "samples_per_step"}
+    run.loss.n = 0
+    load_checkpoint(run.accelerator, checkpoint)
+    assert run.loss.n == 3
+    # as checkpoints were written before the loss had a file: its state an entry of the counters'
+    (checkpoint / "loss.pt").unlink()
+    torch.save({**counters, "loss": {"n": 9}}, checkpoint / "train_state.pt")
+    run.loss.n = 0
+    capsys.readouterr()
+    load_checkpoint(run.accelerator, checkpoint)
+    assert run.loss.n == 9 and "holds no" not in capsys.readouterr().out
+    # neither place: the loss starts fresh, in one line
+    torch.save(counters, checkpoint / "train_state.pt")
+    load_checkpoint(run.accelerator, checkpoint)
+    assert run.loss.n == 9 and "holds no loss (written by an earlier version)" in capsys.readouterr().out
 
 
 def test_per_rank_state_rank_r_reads_rank_r_else_starts_fresh(run, monkeypatch, capsys):

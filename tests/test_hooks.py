@@ -56,11 +56,44 @@ def test_hooks_with_state_are_the_checkpoint_map_and_a_name_is_taken_once():
     shared = type("Shared", (), {"CHECKPOINT": "shared", "before_save": lambda self, accelerator: None})()
     hooks = Hooks("acc", [Recorder("a", calls), saver, shared])
     assert hooks.checkpointed() == {"saver": (saver, True), "shared": (shared, False)}  # rank-equal unless it says
-    hooks.add(Saver(calls))
+    # a hook with state added once the map is made would never be saved: refused; one without state is welcome
+    with pytest.raises(ValueError, match="Saver has state \\(saver\\) but comes after the run's checkpoint map"):
+        hooks.add(Saver(calls))
+    hooks.add(Recorder("late", calls))
     with pytest.raises(ValueError, match="two hooks name the checkpoint part 'saver'"):
-        hooks.checkpointed()
-    with pytest.raises(TypeError, match="object has none of the hook points micro_batch, step_end, before_save"):
+        Hooks("acc", [saver, Saver(calls)]).checkpointed()
+    with pytest.raises(TypeError, match="object has none of the hook points micro_batch, step_end, evaluate, means, "
+                                        "before_save, between_steps"):
         Hooks("acc", [object()])
+
+
+class Measurer:
+    """A hook of the points that read the model: metrics on a schedule, window means, work between steps."""
+
+    def __init__(self, name, calls, every):
+        self.name, self.calls, self.every = name, calls, every
+
+    def evaluate(self, step, model, ema):
+        self.calls.append((self.name, "evaluate", step, model, ema))
+        return {f"{self.name}/loss": float(step)} if step % self.every == 0 else {}
+
+    def means(self):
+        return {f"{self.name}/mean": 0.5}
+
+    def between_steps(self, step, model, ema):
+        self.calls.append((self.name, "between_steps", step, model, ema))
+
+
+def test_the_measuring_points_merge_each_hooks_metrics_and_pass_the_model():
+    calls = []
+    hooks = Hooks("acc", [Measurer("val", calls, 2), Recorder("r", calls), Measurer("probe", calls, 3)])
+    assert hooks.evaluate(2, "dit", "ema") == {"val/loss": 2.0}
+    assert hooks.evaluate(6, "dit", "ema") == {"val/loss": 6.0, "probe/loss": 6.0}
+    assert hooks.evaluate(7, "dit", "ema") == {}  # nothing measured: the loop logs on its own schedule
+    assert hooks.means() == {"val/mean": 0.5, "probe/mean": 0.5}
+    hooks.between_steps(4, "dit", "ema")
+    assert calls[-2:] == [("val", "between_steps", 4, "dit", "ema"), ("probe", "between_steps", 4, "dit", "ema")]
+    assert calls[:2] == [("val", "evaluate", 2, "dit", "ema"), ("probe", "evaluate", 2, "dit", "ema")]
 
 
 def test_the_online_balancer_and_the_draw_log_are_hooks(tmp_path):

@@ -38,10 +38,11 @@ to-universal CHECKPOINT` converts ahead of time. It is derived from a verified c
 The layout (format 2, `FORMAT`; `manifest.json` says `"format": 2`): accelerate's `save_state` files (model or
 DeepSpeed shards, optimizer, LR schedule, `random_states_<rank>.pkl`), then the parts registered here (`register`),
 each in a file named by what it holds: `<name>.pt` for state equal on every rank (the main process's is saved:
-`ema.pt`, `train_state.pt`), `rank_state/rank_<rank, 5 digits>.pt` for state that differs per rank (every rank
+`ema.pt`, `train_state.pt`, `loss.pt`), `rank_state/rank_<rank, 5 digits>.pt` for state that differs per rank (every rank
 writes its own: {name: state}). On a resume, rank r reads `rank_state/rank_r` if the checkpoint has it, else its
 per-rank parts start fresh (a run on more processes than wrote the checkpoint), and files of ranks that no longer
-exist are not read. A part the checkpoint does not hold (registered by newer code) starts fresh, in one line.
+exist are not read. A part the checkpoint does not hold (registered by newer code) starts fresh, in one line; the
+training loss's state (`loss.pt`) is read from `train_state.pt`'s entry "loss" in checkpoints that kept it there.
 Format 1 (a manifest without `format`) let accelerate's `register_for_checkpointing` name the EMA and the counters
 `custom_checkpoint_0.pkl` and `custom_checkpoint_1.pkl` by registration order; it is read as it is. A format newer
 than this code's is a one-line error.
@@ -80,6 +81,9 @@ TRAIN_STATE_FILE = "train_state.pt"
 RANK_STATE_DIR = "rank_state"  # rank_state/rank_00000.pt ...: each rank's own parts
 # format 1: accelerate's `register_for_checkpointing` named the parts by registration order (EMA, then TrainState)
 FORMAT1_FILES = {"ema": "custom_checkpoint_0.pkl", "train_state": "custom_checkpoint_1.pkl"}
+# parts that checkpoints of formats 1 and 2 written before they had a file of their own kept as an entry of
+# train_state's (the training loss's running means)
+INSIDE_TRAIN_STATE = ("loss",)
 _ACCELERATE_CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")  # what accelerate's load_state counts
 _PART_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 CONFIG_FILE = "config.yaml"  # the run's resolved config, written into every checkpoint
@@ -99,17 +103,15 @@ class TrainState:
     `world_size` is the number of processes that wrote the checkpoint (None before the first save or load).
     `samples`: the samples of the global stream the run has consumed, counted step by step, so that a resume
     continues at the right place after any sequence of changes of process count, batch size or accumulation (None
-    after loading a checkpoint that does not record it). `samples_per_step`: the global batch of the run that wrote
-    the checkpoint (processes x grad_accum x batch size; None: not recorded).
-    `loss`: the training loss, whose running state (if any) travels with the counters.
+    after loading a checkpoint that does not record it); the loader continues from it. `samples_per_step`: the
+    global batch of the run that wrote the checkpoint (processes x grad_accum x batch size; None: not recorded).
     """
 
-    def __init__(self, world_size: int | None = None, loss=None) -> None:
+    def __init__(self, world_size: int | None = None) -> None:
         self.step = 0
         self.world_size = world_size
         self.samples: int | None = 0
         self.samples_per_step: int | None = None
-        self.loss = loss
 
     def advance(self, samples: int) -> None:
         """One optimizer step done, which consumed `samples` samples of the global stream."""
@@ -118,16 +120,13 @@ class TrainState:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "world_size": self.world_size, "samples": self.samples,
-                "samples_per_step": self.samples_per_step,
-                "loss": {} if self.loss is None else self.loss.state_dict()}
+                "samples_per_step": self.samples_per_step}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.world_size = state.get("world_size")
         self.samples = None if state.get("samples") is None else int(state["samples"])
         self.samples_per_step = state.get("samples_per_step")
-        if self.loss is not None:
-            self.loss.load_state_dict(state.get("loss", {}))
 
 
 class _Parts:
@@ -152,11 +151,14 @@ def register(accelerator: Accelerator, name: str, obj, per_rank: bool = False) -
     (parts.per_rank if per_rank else parts.shared)[name] = obj
 
 
-def register_state(accelerator: Accelerator, ema, state: TrainState, parts: dict | None = None) -> None:
+def register_state(accelerator: Accelerator, ema, state: TrainState, loss=None, parts: dict | None = None) -> None:
     """The run's checkpoint map: have the checkpoints carry the EMA (`ema.pt`), the loop's counters
-    (`train_state.pt`) and `parts`, {name: (object, per rank)} (the hooks' states, `Hooks.checkpointed`)."""
+    (`train_state.pt`), the training loss's running state (`loss.pt`) and `parts`, {name: (object, per rank)} (the
+    hooks' states, `Hooks.checkpointed`)."""
     register(accelerator, "ema", ema)
     register(accelerator, "train_state", state)
+    if loss is not None:
+        register(accelerator, "loss", loss)
     for name, (obj, per_rank) in (parts or {}).items():
         register(accelerator, name, obj, per_rank=per_rank)
 
@@ -210,6 +212,15 @@ def saved_world_size(checkpoint: Path) -> int | None:
     return _load(part_file(checkpoint, "train_state")).get("world_size")
 
 
+def _inside_train_state(checkpoint: Path, name: str):
+    """The state of part `name` where a checkpoint that holds no file of its own kept it (`INSIDE_TRAIN_STATE`), or
+    None."""
+    path = part_file(checkpoint, "train_state")
+    if name not in INSIDE_TRAIN_STATE or path is None or not path.is_file():
+        return None
+    return _load(path).get(name)
+
+
 def _save_parts(accelerator: Accelerator, folder: Path) -> None:
     """The registered parts into `folder`, beside `save_state`'s files. Every rank must call this: a part's
     `state_dict` may be a collective (the ZeRO-3 EMA gathers its slices)."""
@@ -261,6 +272,8 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, load_from: Path 
         path = part_file(checkpoint, name)
         if path is not None and path.is_file():
             obj.load_state_dict(_load(path))
+        elif (state := _inside_train_state(checkpoint, name)) is not None:
+            obj.load_state_dict(state)
         else:
             fresh.append(name)
     if fresh and accelerator.is_main_process:

@@ -20,6 +20,7 @@ from transformers.integrations import unset_hf_deepspeed_config
 
 from imba.training.config import Config, ConfigError, tracker_names
 from imba.training.ema import is_partitioned
+from models.dit import predict
 
 
 def check_output_dir(out: Path) -> None:
@@ -90,3 +91,13 @@ def parameter_digest(model: torch.nn.Module) -> str:
         for p in params:
             digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def run_predict(wrapped: torch.nn.Module, model: torch.nn.Module, vae_scale: int):
+    """The run's `predict(noisy, timesteps, embeds, mask)`: with gradients through the prepared (wrapped) DiT, without
+    them through the bare `model`. A no-grad pass (the efficient estimator's) bypasses the DDP wrapper: its forward
+    broadcasts buffers, a collective, and ranks may differ in whether they run that pass at all."""
+    def predict_fn(noisy, timesteps, embeds, mask):
+        return predict(wrapped if torch.is_grad_enabled() else model, noisy, timesteps, embeds, mask, vae_scale)
+
+    return predict_fn

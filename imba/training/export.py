@@ -24,7 +24,7 @@ from imba.training.ema import ema_weights_copy, make_ema
 from imba.training.model_card import write_model_card
 from imba.training.run_folder import RunFolder
 from models.lora import has_lora, save_adapter
-from models.pipeline import build_pipeline, export_pipeline, is_pipeline_folder
+from models.pipeline import PIPELINES, build_pipeline, export_pipeline, is_pipeline_folder
 
 LORA_FOLDER = "lora"  # a LoRA run's adapters in the export, beside the merged pipeline
 
@@ -73,6 +73,9 @@ def export_run(run: RunFolder, cfg: Config, ema_model, pipeline_parts: dict, dit
     export_pipeline(build_pipeline(transformer=ema_model, **pipeline_parts), run.export)
     export_adapter(run.export, dit, ema, cfg)  # model.lora_rank: the adapters alone, in lora/
     write_model_card(run.export, cfg, step, processes, grid=run.sample_grid(step))  # the Hub's model page
+    print(f"done: step {step}. outputs in {run.root}/: checkpoints/ (resume with --resume latest), samples/ (grids), "
+          f"metrics.jsonl, config.yaml, export/ ({PIPELINES[pipeline_parts['pipeline']].__name__}.from_pretrained("
+          f"'{run.export}'))")
 
 
 def export_checkpoint_once(checkpoint: Path) -> Path:

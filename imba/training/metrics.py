@@ -1,5 +1,5 @@
-"""Training metrics: averaged over the logging window, reduced over ranks, written to a JSONL file and to
-accelerate's trackers; and the images/s of the window.
+"""Training metrics: averaged over the logging window, reduced over ranks, written to a JSONL file, to
+accelerate's trackers and the progress bar (`StepLog`); and the images/s of the window.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from data.files import atomic_write
 from imba.monitor import BucketMonitor
@@ -143,3 +144,37 @@ class Throughput:
     def images_per_s(self, step: int) -> float:
         elapsed = time.perf_counter() - self.start - self.paused_s
         return self.images_per_step * (step - self.start_step) / elapsed
+
+
+class StepLog:
+    """The run's log of its logging steps: each one's metrics with the images/s since the last one (time spent in
+    `paused()` left out) and the samples the readers skipped so far (`data_stats`, a `data.skips.ReaderStats`, or
+    None), to accelerate's trackers, to `path` (metrics.jsonl, main process; a resume at `step` keeps its rows up to
+    it) and as the loss on the progress bar, which `advance` moves one step."""
+
+    def __init__(self, accelerator, path: Path, step: int, max_steps: int, images_per_step: int,
+                 data_stats=None) -> None:
+        self.accelerator, self.data_stats = accelerator, data_stats
+        self.file = JsonlLogger(path, keep_until=step) if accelerator.is_main_process else None
+        self.throughput = Throughput(images_per_step, step)
+        self.progress = tqdm(total=max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+
+    def paused(self):
+        """Time in this context does not count towards the images/s (checkpoints, validation, sample grids)."""
+        return self.throughput.paused()
+
+    def advance(self) -> None:
+        self.progress.update(1)
+
+    def write(self, step: int, metrics: dict) -> None:
+        metrics["images_per_s"] = self.throughput.images_per_s(step)
+        if self.data_stats is not None:
+            metrics["data_skipped"] = self.data_stats.bad_total
+        self.throughput.restart(step)
+        self.accelerator.log(metrics, step=step)
+        if self.file is not None:
+            self.file.log(step, metrics)
+            self.progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+
+    def close(self) -> None:
+        self.progress.close()

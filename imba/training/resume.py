@@ -148,3 +148,16 @@ def global_batch_change(state: TrainState, unrecorded_per_step: int, samples_per
             f"train.grad_accum x data.batch_size); the data continues at the same position. The LR schedule counts "
             f"steps, so warm-up and decay go on by step while each step now reads {samples_per_step / before:.3g}x "
             f"the samples: scale optim.lr yourself to keep the learning rate per sample")
+
+
+def continue_stream(plan: ResumePlan, accelerator: Accelerator, state: TrainState, global_batch: int
+                    ) -> StreamPosition:
+    """After `restore` (or for a fresh run): where the data continues, with a line when the global batch changed;
+    `state` then counts in this run's processes and global batch (`global_batch` samples a step)."""
+    # what a checkpoint that records no position read per step: its processes, this run's batch and accumulation
+    unrecorded = global_batch // accelerator.num_processes * plan.saved_world_size
+    if change := global_batch_change(state, unrecorded, global_batch):
+        accelerator.print(change)
+    position = stream_position(state, unrecorded)
+    state.world_size, state.samples, state.samples_per_step = accelerator.num_processes, position.samples, global_batch
+    return position

@@ -56,6 +56,13 @@ class GridSampler:
         return dict(scheduler=self.objective.sampling_scheduler(), pipeline=self.pipeline,
                     **self.encoders.pipeline_parts())
 
+    def between_steps(self, step: int, model: torch.nn.Module, ema) -> None:
+        """A hook (`imba.training.hooks`): a grid every train.sample_every steps (0: none; the run's last grid is
+        saved at its end)."""
+        every = self.cfg.train.sample_every
+        if every and step % every == 0:
+            self.save(model, ema, step)
+
     def save(self, model: torch.nn.Module, ema, step: int) -> torch.nn.Module | None:
         """The grid of `step` from the EMA of `model`'s weights; returns the EMA copy on the main process (None
         elsewhere). Every rank must call it: under ZeRO-3 the EMA is gathered from all ranks."""

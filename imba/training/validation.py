@@ -65,6 +65,7 @@ class Validator:
     def __init__(self, cfg: Config, accelerator, shards: list[str], features, manifest: dict | None, objective,
                  bucketer=None) -> None:
         self.accelerator, self.batch_size, self.vae_scale = accelerator, cfg.data.batch_size, features.vae_scale
+        self.every = cfg.train.val_every
         self.num_timesteps = objective.num_train_timesteps
         d = cfg.data
         val_manifest = precomputed_manifest(cfg, shards, key="data.val_shards")
@@ -103,6 +104,10 @@ class Validator:
         labels = bucketer(captions) if bucketer is not None else [None] * len(captions)
         self.buckets = torch.tensor([BUCKETS.index(b) if b in BUCKETS else -1 for b in labels], dtype=torch.long)
         self.has_buckets = bucketer is not None
+
+    def evaluate(self, step: int, dit, ema) -> dict[str, float]:
+        """A hook (`imba.training.hooks`): `run`'s metrics every train.val_every steps, else {}."""
+        return self.run(dit, ema) if step % self.every == 0 else {}
 
     @torch.no_grad()
     def run(self, dit, ema) -> dict[str, float]:
