@@ -36,6 +36,7 @@ from imba.training.resume import continue_stream, plan_resume, restore
 from imba.training.run_folder import RunFolder
 from imba.training.sampling import GridSampler, prompts_from_data
 from imba.training.setting_changes import check_resumed_settings
+from imba.training.step import TrainStep
 from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings
@@ -136,27 +137,15 @@ def main(argv: list[str]) -> int:
     guard = DivergenceGuard(accelerator, cfg.train.max_bad_steps, check_grad_norm=accelerator.scaler is None)
     config_text = dump_config(cfg)  # stored in every checkpoint
     predict_fn = run_predict(wrapped, dit, features.vae_scale)  # no-grad passes bypass the DDP wrapper
+    train_step = TrainStep(accelerator, wrapped, optimizer, lr_scheduler, loss_fn, predict_fn, hooks, guard,
+                           cfg.optim.grad_clip)
 
     while state.step < cfg.train.max_steps:
         batch = next(batches)
-        with accelerator.accumulate(wrapped):
-            latents, cond = features.encode_batch(batch, device)
-            noised = objective.noise(latents)
-            null = features.null_like(latents.shape[0])
-            with accelerator.autocast():
-                loss, stats = loss_fn(predict_fn, noised, cond, null)
-                hooks.micro_batch(state.step + 1, batch, stats, predict_fn, noised, null)
-            accelerator.backward(loss)  # under DeepSpeed this also steps, unless its overflow check skips
-            guard.add_loss(loss)
-            skip = False
-            if accelerator.sync_gradients:
-                if cfg.optim.grad_clip > 0:
-                    stats["grad_norm"] = accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
-                skip = guard.step_is_bad(stats.get("grad_norm"))  # one decision, agreed by every rank
-            if not skip or accelerator.scaler is not None:  # fp16: the GradScaler skips non-finite gradients
-                optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+        latents, cond = features.encode_batch(batch, device)
+        noised = objective.noise(latents)
+        # loss, hooks, backward; at an accumulation's end: clip, the guard's decision, optimizer and schedule steps
+        stats, skip = train_step(state.step + 1, batch, noised, cond, features.null_like(latents.shape[0]))
         window.add(stats)
         if not accelerator.sync_gradients:
             continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet

@@ -56,7 +56,11 @@ controls' last point (1,950 steps, and for the online one also 1,872, where its 
 Every variant trains the same DiT ("micro" preset, pixel space, patch 4 → 32 tokens) with, per seed, the same world,
 tile and scene pool, initial weights, optimiser (AdamW 2e-3 with 100 warm-up steps, batch 32, gradient clipping 1,
 diffusers EMA 0.999 with its default warm-up, so 0.9955 at 2,000 steps) and noise: which tiles a stream selects
-comes from a generator of its own, so every stream's noise stays paired with plain's. Compute is counted per run:
+comes from a generator of its own, so every stream's noise stays paired with plain's. Each step is the trainer's
+own (`imba.training.step.TrainStep`: loss, hooks, backward, clip, divergence guard, optimizer and schedule, on one
+CPU process of accelerate), with the trainer's EMA and its training loss; the online-balanced stream observes its
+rows as a hook, as `data.balance=imba` does in a run. Only the schedule is the benchmark's own: its warm-up starts at
+1/100 of the rate where the trainer's `optim.warmup_steps` starts at 0. Compute is counted per run:
 every forward row with gradient costs 3 units, every row of a no-grad pass 1, and a plain step of B rows 3B. The
 stream controls also train on to the longest length times the largest nominal cost of the other variants, so that
 their success can be read at any variant's counted compute by interpolation (--no-equal-compute turns this off).
@@ -315,6 +319,49 @@ def half_weighted_loss(pred: torch.Tensor, target: torch.Tensor, left: torch.Ten
     return (err * weights).mean()
 
 
+class HalfWeightedLoss:
+    """The re-weighting baselines' loss (`Variant.reweight`), called as the trainer's loss is
+    (`loss(predict, noised, cond, null, generator=, left=, right=)`): plain MSE with the caption dropout of
+    `draw_drop` (the same draws as the training loss's), each half of a scene weighted by its tile's weight, or both
+    halves by their product (`joint`)."""
+
+    def __init__(self, draw_drop, tile_weight: torch.Tensor, joint: bool) -> None:
+        self.draw_drop, self.tile_weight, self.joint = draw_drop, tile_weight, joint
+
+    def __call__(self, predict, noised, cond, null, generator, left, right):
+        drop = self.draw_drop(len(left), generator=generator)
+        embeds = torch.where(drop[:, None, None], null[0], cond[0])
+        mask = torch.where(drop[:, None], null[1], cond[1])
+        pred = predict(noised.noisy, noised.timesteps, embeds, mask)
+        w_left, w_right = self.tile_weight[left], self.tile_weight[right]
+        if self.joint:
+            w_left = w_right = w_left * w_right
+        loss = half_weighted_loss(pred, noised.target, w_left, w_right)
+        return loss, {"loss": loss.detach()}
+
+
+class OnlineSceneBalance:
+    """The online balance of `WeightedScenes` as a hook of the trainer's step (`imba.training.hooks`): each batch's
+    first rows (`scored_rows`, as the trainer's rule scores them) measured by a no-grad unconditional pass at their
+    own noisy inputs, their IMBA distance fed to the balance, whose factors refresh every BALANCE_EVERY steps."""
+
+    def __init__(self, weighted: "WeightedScenes", num_train_timesteps: int) -> None:
+        self.weighted, self.num_train_timesteps = weighted, num_train_timesteps
+
+    def micro_batch(self, step: int, batch: dict, stats, predict, noised, null) -> None:
+        from imba.loss import token_distance
+
+        k = imba_rows(len(batch["chosen"]))
+        with torch.no_grad():
+            uncond = predict(noised.noisy[:k], noised.timesteps[:k], null[0][:k], null[1][:k])
+        distance = token_distance(noised.target[:k], uncond, PATCH).mean(dim=1)
+        self.weighted.observe(batch["chosen"][:k], distance, noised.timesteps[:k].double() / self.num_train_timesteps)
+
+    def step_end(self, step: int, accelerator) -> None:
+        if step % BALANCE_EVERY == 0:
+            self.weighted.refresh()
+
+
 class WeightedScenes:
     """The scene stream of a caption- or IMBA-balanced variant (WEIGHTED_STREAMS): scenes drawn with replacement in
     proportion to a factor per scene, the natural stream being uniform over the scene pool. The factors come from
@@ -484,14 +531,17 @@ def exposure_log(objects: torch.Tensor, tile_seen: torch.Tensor, scenes_seen: in
 def run_one(job: dict) -> dict:
     """Train one (world, variant, seed) and evaluate it at every length in job["steps"]."""
     torch.set_num_threads(1)
-    from diffusers.training_utils import EMAModel
+    from accelerate import Accelerator
 
     from composition_diagnostics import stream_objects, world_diagnostics
     from composition_scenes import HUES, rotate_hue
 
     from imba.eval.representations import attribute_nmi
-    from imba.loss import token_distance
     from imba.objectives import build_objective
+    from imba.training.ema import make_ema
+    from imba.training.guard import DivergenceGuard
+    from imba.training.hooks import Hooks
+    from imba.training.step import TrainStep
     from imba.training_loss import TrainingLoss
     from models.dit import build_transformer, predict
 
@@ -523,15 +573,19 @@ def run_one(job: dict) -> dict:
 
     torch.manual_seed(seed)
     model = build_transformer("micro", TILE, text.dim, in_channels=3, patch_size=PATCH)
-    ema = EMAModel(model.parameters(), decay=0.999)
+    ema = make_ema(model.parameters(), decay=0.999)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
+    accelerator = Accelerator(cpu=True)  # one process: the trainer's step on this machine's CPU
+    model, optimizer, warmup = accelerator.prepare(model, optimizer, warmup)
     objective = build_objective(objective_of(variant))
     loss_fn = TrainingLoss(**spec.loss.kwargs(), patch_size=PATCH)
     if spec.shuffle_weights:  # a timestep_mean form: the loss's own level bins
         imba = loss_fn.imba
         imba.weights = weights_shuffled_within_levels(imba.weights, imba.timestep_mean.bin_of,
                                                       generator_for(seed, "shuffle"))
+    if tile_weight is not None:
+        loss_fn = HalfWeightedLoss(loss_fn.imba.draw_drop_mask, tile_weight, joint=spec.reweight == "importance_joint")
     select_gen, noise_gen = generator_for(seed, "select"), generator_for(seed, "noise")
     drop_gen, lever_gen = generator_for(seed, "drop"), generator_for(seed, "lever")
     units = [0]  # forward rows × 3 with gradient, × 1 without: a plain step of B rows is 3B
@@ -539,6 +593,12 @@ def run_one(job: dict) -> dict:
     def predict_fn(noisy, timesteps, embeds, mask):
         units[0] += noisy.shape[0] * (3 if torch.is_grad_enabled() else 1)
         return predict(model, noisy, timesteps, embeds, mask, 1)
+
+    online = weighted is not None and weighted.online is not None
+    hooks = Hooks(accelerator, [OnlineSceneBalance(weighted, objective.num_train_timesteps) if online else None])
+    # the trainer's step: loss, hooks, backward, the gradient clip at 1, the divergence guard, AdamW and warm-up
+    train_step = TrainStep(accelerator, model, optimizer, warmup, loss_fn, predict_fn, hooks,
+                           DivergenceGuard(accelerator, max_bad_steps=10), grad_clip=1.0)
 
     batch = job["batch_size"]
     objects = torch.zeros(len(COLOURS) + HUES, len(SHAPES))  # (colour, shape) of every object trained on
@@ -574,34 +634,13 @@ def run_one(job: dict) -> dict:
         cond = text.encode([pool.pair_of_tile[i] for i in left.tolist()],
                            [pool.pair_of_tile[i] for i in right.tolist()])
         null = text.null(len(left))
-        if tile_weight is None:
-            loss, stats = loss_fn(predict_fn, noised, cond, null, generator=drop_gen)
-        else:  # plain with caption dropout (the same draws as TrainingLoss's), each half weighted on its own
-            drop = loss_fn.imba.draw_drop_mask(len(left), generator=drop_gen)
-            embeds = torch.where(drop[:, None, None], null[0], cond[0])
-            mask = torch.where(drop[:, None], null[1], cond[1])
-            pred = predict_fn(noised.noisy, noised.timesteps, embeds, mask)
-            w_left, w_right = tile_weight[left], tile_weight[right]
-            if spec.reweight == "importance_joint":
-                w_left = w_right = w_left * w_right
-            loss, stats = half_weighted_loss(pred, noised.target, w_left, w_right), {}
-        if weighted is not None and weighted.online is not None:
-            # the online balance's signal: the first rows' distance from the unconditional prediction at their own
-            # noisy inputs, counted as no-grad rows
-            k = imba_rows(batch)
-            with torch.no_grad():
-                uncond = predict_fn(noised.noisy[:k], noised.timesteps[:k], *text.null(k))
-            distance = token_distance(noised.target[:k], uncond, PATCH).mean(dim=1)
-            weighted.observe(chosen[:k], distance, noised.timesteps[:k].double() / objective.num_train_timesteps)
-            if step % BALANCE_EVERY == 0:
-                weighted.refresh()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        warmup.step()
-        ema.step(model.parameters())
-        losses.append(loss.item())
+        reweighted = dict(left=left, right=right) if tile_weight is not None else {}
+        stats, skip = train_step(step, {"chosen": chosen} if online else {}, noised, cond, null, generator=drop_gen,
+                                 **reweighted)
+        hooks.step_end(step)
+        if not skip:
+            ema.step(model.parameters())
+        losses.append(stats["loss"].item())
         if "distance_per_token" in stats:
             halves = half_distances(stats["distance_per_token"], TILE // PATCH, 2 * TILE // PATCH)
             for tiles, d in zip((left, right), halves):

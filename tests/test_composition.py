@@ -279,6 +279,31 @@ def test_the_online_stream_starts_at_the_temperature_prior_and_draws_by_the_onli
         composition.WeightedScenes("pair_balanced", captions)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")  # skipped
+def test_the_benchmark_trains_through_the_trainers_step(monkeypatch):
+    """Every step of a benchmark run is `imba.training.step.TrainStep`'s (loss, hooks, backward, clip, guard,
+    optimizer), so a change to the trainer's step is what the benchmark measures: here, a guard that skips every
+    step leaves the weights as initialised and the run's losses change."""
+    from imba.training import guard, step
+
+    calls = []
+    original = step.TrainStep.__call__
+
+    def counted(self, n, batch, *args, **kwargs):
+        calls.append((n, sorted(kwargs)))
+        return original(self, n, batch, *args, **kwargs)
+
+    monkeypatch.setattr(step.TrainStep, "__call__", counted)
+    job = dict(world="concept_tail", scenes="fixed", fixed_ranks=False, protocol=composition.PROTOCOL, steps=[3],
+               per_pair=1, sampling_steps=2, batch_size=4, pool=300, oracle=str(composition.ORACLE), oracle_b=None,
+               grid_dir=None, models_dir=None, seed=0, variant="inverse_freq")
+    trained = composition.run_one(job)["results"][3]
+    assert calls == [(n, ["generator", "left", "right"]) for n in (1, 2, 3)]  # the re-weighted loss's own inputs
+    monkeypatch.setattr(guard.DivergenceGuard, "step_is_bad", lambda self, grad_norm=None: True)
+    skipped = composition.run_one(job)["results"][3]
+    assert skipped["final_loss"] != trained["final_loss"] and skipped["compute"] == trained["compute"] == 3
+
+
 @pytest.mark.slow
 def test_the_balanced_streams_train_on_weighted_scenes_and_log_their_factors(tmp_path):
     """run_one of the caption- and IMBA-balanced variants: scenes drawn from the weighted stream, the no-grad

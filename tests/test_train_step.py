@@ -1,0 +1,106 @@
+"""The trainer's micro-step (imba/training/step.py), which train.py and the composition benchmark both take: equal to
+the hand-written step it stands for, accumulation, clipping, the hooks' point and a skipped step."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from imba.training.guard import DivergenceGuard
+from imba.training.hooks import Hooks
+from imba.training.step import TrainStep
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def mse(predict, noised, cond, null, scale=1.0):
+    loss = (predict(noised.noisy) - noised.target).square().mean() * scale
+    return loss, {"loss": loss.detach()}
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [SimpleNamespace(noisy=torch.randn(4, 3, generator=g), target=torch.randn(4, 2, generator=g))
+            for _ in range(n)]
+
+
+class Seen:
+    def __init__(self):
+        self.calls = []
+
+    def micro_batch(self, step, batch, stats, predict, noised, null):
+        self.calls.append((step, batch, float(stats["loss"]), noised, null))
+
+
+def made(accumulate=1, clip=1.0, seed=0):
+    torch.manual_seed(seed)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
+    hooks, seen = Hooks(accelerator), Seen()
+    hooks.add(seen)
+    step = TrainStep(accelerator, model, optimizer, schedule, mse, model, hooks, DivergenceGuard(accelerator, 3), clip)
+    return step, model, seen, accelerator
+
+
+def test_the_step_is_the_hand_written_step_it_stands_for():
+    step, model, seen, _ = made(clip=0.5)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+    for n, noised in enumerate(batches(5), start=1):
+        stats, skip = step(n, {"i": n}, noised, "cond", "null")
+        loss = (reference(noised.noisy) - noised.target).square().mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert not skip and float(stats["grad_norm"]) == float(norm) and float(stats["loss"]) == loss.item()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    assert [(c[0], c[1]) for c in seen.calls] == [(n, {"i": n}) for n in range(1, 6)]
+    assert all(c[4] == "null" for c in seen.calls)  # the hooks see the batch, its stats, inputs and null caption
+
+
+def test_accumulation_steps_the_optimizer_once_per_group_and_clips_only_then():
+    step, model, seen, accelerator = made(accumulate=2, clip=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats, skip = step(1, {}, batches(1)[0], None, None)
+    assert not accelerator.sync_gradients and "grad_norm" not in stats and not skip
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # no update inside the group
+    stats, skip = step(1, {}, batches(2)[1], None, None)
+    assert accelerator.sync_gradients and "grad_norm" in stats
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert [c[0] for c in seen.calls] == [1, 1]  # both micro-batches belong to optimizer step 1
+
+
+def test_no_clip_no_grad_norm_and_the_loss_keywords_reach_the_loss():
+    step, model, _, _ = made(clip=0.0)
+    noised = batches(1)[0]
+    with torch.no_grad():
+        expected = 2.0 * (model(noised.noisy) - noised.target).square().mean()
+    stats, _ = step(1, {}, noised, None, None, scale=2.0)
+    assert "grad_norm" not in stats and float(stats["loss"]) == float(expected)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_non_finite_loss_skips_the_update_and_the_schedule_still_advances():
+    step, model, _, _ = made(clip=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = step.lr_scheduler.get_last_lr()[0]
+    stats, skip = step(1, {}, batches(1)[0], None, None, scale=float("nan"))
+    assert skip and step.guard.skipped == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert step.lr_scheduler.get_last_lr()[0] > lr
+    stats, skip = step(2, {}, batches(1)[0], None, None)
+    assert not skip and step.guard.consecutive == 0
