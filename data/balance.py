@@ -182,6 +182,7 @@ class BalanceRule(abc.ABC):
     CHOICES: ClassVar[dict] = {}
     RANGES: ClassVar[dict] = {}
     ONLINE: ClassVar[bool] = False  # its factors move as the run goes (`plan_rule` is the rule its plan starts from)
+    READS_CAPTIONS: ClassVar[bool] = True  # its factors come from the captions' entries (the plan reads them)
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -208,6 +209,7 @@ class NoBalance(BalanceRule):
     """The natural stream: every sample drawn at its source's rate."""
 
     KIND: ClassVar[str] = "none"
+    READS_CAPTIONS: ClassVar[bool] = False
 
     def describe(self) -> str:
         return ""

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .balance import (BalanceRule, ConceptTable, NoBalance, balance_factors, build_concept_table, entry_counts,
+from .balance import (BalanceRule, ConceptTable, balance_factors, build_concept_table, entry_counts,
                       is_combination)
 from .concepts.captions import iter_shard_captions
 from .files import atomic_write, read_json_object, write_json
@@ -142,7 +142,7 @@ def plan_draws(
     if mix.num_samples != len(index):
         raise ValueError(f"the sources hold {mix.num_samples} samples, the index {len(index)}")
     balance.check()
-    reads_captions = not isinstance(balance, NoBalance)
+    reads_captions = balance.READS_CAPTIONS
     extractor = _extractor(reads_captions, extractor)
     fingerprint = plan_fingerprint(index, mix, balance, extractor)
     plan = load_plan(folder, fingerprint)

@@ -15,8 +15,26 @@ OWNERS = {
     ("objective", "kind"): {"imba/objectives.py", "imba/objective_settings.py"},
     ("balance",): {"data/balance.py", "data/online_balance.py", "data/settings.py"},
     ("balance", "KIND"): {"data/balance.py", "data/online_balance.py", "data/settings.py"},
-    ("KIND",): {"data/balance.py", "data/online_balance.py", "data/settings.py"},
+    ("KIND",): {"data/balance.py", "data/online_balance.py", "data/settings.py", "data/sources.py"},
 }
+
+
+def _kind_classes() -> dict[str, set[str]]:
+    """Every registered kind's class name -> the modules that may test for it (`isinstance`): where it is defined
+    and where its registry is."""
+    import inspect
+
+    from data.settings import BALANCE_RULES, SOURCE_KINDS
+    from imba.loss_settings import LOSS_SETTINGS
+    from imba.objective_settings import OBJECTIVE_SETTINGS
+
+    owners = {}
+    for registry, home in ((LOSS_SETTINGS, "imba/loss_settings.py"), (OBJECTIVE_SETTINGS, "imba/objective_settings.py"),
+                           (BALANCE_RULES, "data/settings.py"), (SOURCE_KINDS, "data/settings.py")):
+        for kind in registry.values():
+            defined = str(Path(inspect.getfile(kind)).resolve().relative_to(REPO))
+            owners[kind.__name__] = {defined, home}
+    return owners
 
 
 def _path(node: ast.AST) -> tuple[str, ...]:
@@ -38,9 +56,18 @@ def _names_a_kind(node: ast.AST) -> bool:
 
 
 def kind_branches(source: str, module: str) -> list[str]:
-    """'module:line attribute' for each comparison of a kind setting with a kind's name outside its owners."""
+    """'module:line attribute' for each comparison of a kind setting with a kind's name, and each `isinstance` test
+    for a registered kind's class, outside its owners."""
     found = []
+    classes = _kind_classes()
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and _path(node.func) == ("isinstance",) and len(node.args) == 2:
+            tested = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for cls in tested:
+                name = _path(cls)[-1:] or ("",)
+                if name[0] in classes and module not in classes[name[0]]:
+                    found.append(f"{module}:{node.lineno} isinstance {name[0]}")
+            continue
         if not isinstance(node, ast.Compare):
             continue
         sides = [node.left, *node.comparators]
@@ -67,14 +94,19 @@ def test_no_module_branches_on_a_kind_it_does_not_define():
 
 
 def test_a_planted_branch_on_a_kind_is_found():
-    planted = {
-        "imba/training/model_card.py": 'level = "token" if cfg.loss.kind == "imba" else "sample"\n',
-        "train.py": 'if cfg.data.balance.KIND != "none":\n    pass\n',
-        "imba/training/inputs.py": 'online = d.balance in ("imba",)\n',
-        "imba/training/config.py": 'ddpm = cfg.objective.kind == "ddpm"\n',
-    }
-    for module, line in planted.items():
-        assert len(kind_branches(line, module)) == 1, module
+    planted = [  # (module, line, branches in it)
+        ("imba/training/model_card.py", 'level = "token" if cfg.loss.kind == "imba" else "sample"\n', 1),
+        ("train.py", 'if cfg.data.balance.KIND != "none":\n    pass\n', 1),
+        ("imba/training/inputs.py", 'online = d.balance in ("imba",)\n', 1),
+        ("imba/training/config.py", 'ddpm = cfg.objective.kind == "ddpm"\n', 1),
+        ("data/draw_plan.py", "reads = not isinstance(balance, NoBalance)\n", 1),
+        ("imba/training/inputs.py", "own = isinstance(kind, (ShardsSource, data.sources.SyntheticSource))\n", 2),
+        ("imba/training/model_card.py", 'named = [s for s in d.sources if s.KIND == "synthetic"]\n', 1),
+    ]
+    for module, line, branches in planted:
+        assert len(kind_branches(line, module)) == branches, line
     # and a kind's own module may
     assert kind_branches('x = self.kind == "plain"\n', "imba/training_loss.py") == []
     assert kind_branches('x = cfg.loss.kind == "plain"\n', "imba/loss_settings.py") == []
+    assert kind_branches("x = isinstance(self.balance, NoBalance)\n", "data/settings.py") == []
+    assert kind_branches("x = isinstance(value, PlainLoss)\n", "imba/loss_settings.py") == []

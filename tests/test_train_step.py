@@ -20,6 +20,9 @@ def fresh_state():
 
 
 def mse(predict, noised, cond, null, scale=1.0):
+    """The squared error of `predict` (a model of one input); `cond` and `null` are checked, as a training loss
+    reads them."""
+    assert (cond, null) == ("cond", "null"), (cond, null)
     loss = (predict(noised.noisy) - noised.target).square().mean() * scale
     return loss, {"loss": loss.detach()}
 
@@ -35,7 +38,7 @@ class Seen:
         self.calls = []
 
     def micro_batch(self, step, batch, stats, predict, noised, null):
-        self.calls.append((step, batch, float(stats["loss"]), noised, null))
+        self.calls.append((step, batch, float(stats["loss"]), noised, null, predict))
 
 
 def made(accumulate=1, clip=1.0, seed=0):
@@ -53,11 +56,12 @@ def made(accumulate=1, clip=1.0, seed=0):
 
 def test_the_step_is_the_hand_written_step_it_stands_for():
     step, model, seen, _ = made(clip=0.5)
+    given = batches(5)
     torch.manual_seed(0)
     reference = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
-    for n, noised in enumerate(batches(5), start=1):
+    for n, noised in enumerate(given, start=1):
         stats, skip = step(n, {"i": n}, noised, "cond", "null")
         loss = (reference(noised.noisy) - noised.target).square().mean()
         loss.backward()
@@ -65,20 +69,21 @@ def test_the_step_is_the_hand_written_step_it_stands_for():
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        assert not skip and float(stats["grad_norm"]) == float(norm) and float(stats["loss"]) == loss.item()
+        assert skip is False and float(stats["grad_norm"]) == float(norm) and float(stats["loss"]) == loss.item()
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)
     assert [(c[0], c[1]) for c in seen.calls] == [(n, {"i": n}) for n in range(1, 6)]
-    assert all(c[4] == "null" for c in seen.calls)  # the hooks see the batch, its stats, inputs and null caption
+    # the hooks see the batch, its stats, its inputs, the null caption and the run's predict
+    assert all(c[3] is noised and c[4:] == ("null", model) for c, noised in zip(seen.calls, given, strict=True))
 
 
 def test_accumulation_steps_the_optimizer_once_per_group_and_clips_only_then():
     step, model, seen, accelerator = made(accumulate=2, clip=1.0)
     before = [p.detach().clone() for p in model.parameters()]
-    stats, skip = step(1, {}, batches(1)[0], None, None)
+    stats, skip = step(1, {}, batches(1)[0], "cond", "null")
     assert not accelerator.sync_gradients and "grad_norm" not in stats and not skip
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # no update inside the group
-    stats, skip = step(1, {}, batches(2)[1], None, None)
+    stats, skip = step(1, {}, batches(2)[1], "cond", "null")
     assert accelerator.sync_gradients and "grad_norm" in stats
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert [c[0] for c in seen.calls] == [1, 1]  # both micro-batches belong to optimizer step 1
@@ -89,7 +94,7 @@ def test_no_clip_no_grad_norm_and_the_loss_keywords_reach_the_loss():
     noised = batches(1)[0]
     with torch.no_grad():
         expected = 2.0 * (model(noised.noisy) - noised.target).square().mean()
-    stats, _ = step(1, {}, noised, None, None, scale=2.0)
+    stats, _ = step(1, {}, noised, "cond", "null", scale=2.0)
     assert "grad_norm" not in stats and float(stats["loss"]) == float(expected)
 
 
@@ -98,9 +103,20 @@ def test_a_non_finite_loss_skips_the_update_and_the_schedule_still_advances():
     step, model, _, _ = made(clip=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     lr = step.lr_scheduler.get_last_lr()[0]
-    stats, skip = step(1, {}, batches(1)[0], None, None, scale=float("nan"))
+    stats, skip = step(1, {}, batches(1)[0], "cond", "null", scale=float("nan"))
     assert skip and step.guard.skipped == 1
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert step.lr_scheduler.get_last_lr()[0] > lr
-    stats, skip = step(2, {}, batches(1)[0], None, None)
+    stats, skip = step(2, {}, batches(1)[0], "cond", "null")
     assert not skip and step.guard.consecutive == 0
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_non_finite_gradient_norm_with_a_finite_loss_skips_the_update():
+    step, model, _, _ = made(clip=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    handle = model.weight.register_hook(lambda grad: grad * float("inf"))
+    stats, skip = step(1, {}, batches(1)[0], "cond", "null")
+    handle.remove()
+    assert skip and torch.isfinite(stats["loss"]) and not torch.isfinite(torch.as_tensor(stats["grad_norm"]))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
