@@ -81,7 +81,7 @@ def test_accumulation_steps_the_optimizer_once_per_group_and_clips_only_then():
     step, model, seen, accelerator = made(accumulate=2, clip=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     stats, skip = step(1, {}, batches(1)[0], "cond", "null")
-    assert not accelerator.sync_gradients and "grad_norm" not in stats and not skip
+    assert not accelerator.sync_gradients and "grad_norm" not in stats and skip is False
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # no update inside the group
     stats, skip = step(1, {}, batches(2)[1], "cond", "null")
     assert accelerator.sync_gradients and "grad_norm" in stats
