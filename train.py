@@ -20,6 +20,7 @@ import torch
 from accelerate.utils import set_seed
 
 from data.skips import reader_stats
+from data.stream import all_shards
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
@@ -28,7 +29,7 @@ from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint, export_run
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_message
 from imba.training.hooks import Hooks
-from imba.training.inputs import (all_shards, concept_bucketer, make_loader, online_balancer, precompute_once,
+from imba.training.inputs import (check_data, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
 from imba.training.metrics import ConceptBuckets, DrawLog, MetricWindow, StepLog, reduce_over_ranks
 from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
@@ -111,6 +112,7 @@ def main(argv: list[str]) -> int:
                          bucket_divisor=features.vae_scale * dit.config.patch_size, balancer=balancer)
     batches = iter(loader)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
+    state.data = check_data(accelerator, loader, state.data)  # said in a line when a resume's data changed
 
     # ---- loop ------------------------------------------------------------------------------------------------
     grids = GridSampler(cfg, objective, device, is_main, encoders=None if manifest else features,

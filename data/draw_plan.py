@@ -108,8 +108,7 @@ def plan_fingerprint(index: ShardIndex, mix: SourceMix, balance: BalanceRule,
     describe = getattr(extractor, "describe", lambda: {"name": type(extractor).__name__})
     parts = {
         "version": PLAN_VERSION,
-        "shards": [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")]
-                   + ([s["etag"]] if "etag" in s else []) for s in index.shardlist],  # remote shards: their ETag
+        "shards": index.identity(),
         "sources": mix.describe(),
         "source_settings": mix.settings(),  # every setting of every source's kind, as data: none can be left out
         "samples_per_epoch": mix.samples_per_epoch,

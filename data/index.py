@@ -234,6 +234,12 @@ class ShardIndex:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def identity(self) -> list[list]:
+        """What the index was made from, shard by shard: URL, samples, size and modification time (a local file) or
+        ETag (a remote one). Another list means other samples may sit at the same index."""
+        return [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")] + ([s["etag"]] if "etag" in s else [])
+                for s in self.shardlist]
+
     @property
     def table(self) -> np.ndarray:
         """(N, 4) int64: byte start, byte end, image width, image height (0, 0: unknown) of every sample."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import errno
+import hashlib
+import json
 import logging
 import os
 import time
@@ -100,6 +102,16 @@ class IndexedShards(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def fingerprint(self) -> str:
+        """What decides `self[i]`, hashed: the shards (`ShardIndex.identity`) and how a sample is decoded from them
+        (`decoding`). Equal fingerprints: the same sample at every index."""
+        what = {"reader": type(self).__name__, "shards": self.index.identity(), "decoding": self.decoding()}
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def decoding(self) -> dict[str, Any]:
+        """The settings that turn a shard's record into sample i."""
+        return {"resolution": self.resolution, "caption_field": self.caption_field, "min_size": self.min_size}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

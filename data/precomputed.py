@@ -450,6 +450,9 @@ class PrecomputedShards(IndexedShards):
         self._largest: int | None = None
         self._memory = _RecycledMemory()
 
+    def decoding(self) -> dict[str, Any]:  # the manifest: how the features were encoded, and from what
+        return {k: v for k, v in self.manifest.items() if k != "__path__"}
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_buffers"] = []

@@ -135,9 +135,6 @@ class Source:
     choose: int | None = None
     kind: SourceKind | None = None
 
-    def describe(self) -> str:
-        return self.kind.describe() if self.kind is not None else f"`{self.urls[0]}`, ..."
-
 
 WEIGHT_KEYS = ("share", "repeat", "choose")
 

@@ -134,7 +134,7 @@ def test_the_loss_state_is_a_part_of_its_own_and_read_from_the_counters_of_a_che
     checkpoint = run.save()
     assert torch.load(checkpoint / "loss.pt", weights_only=False) == {"n": 3}
     counters = torch.load(checkpoint / "train_state.pt", weights_only=False)
-    assert set(counters) == {"step", "world_size", "samples", "samples_per_step"}
+    assert set(counters) == {"step", "world_size", "samples", "samples_per_step", "data"}
     run.loss.n = 0
     load_checkpoint(run.accelerator, checkpoint)
     assert run.loss.n == 3

@@ -841,3 +841,30 @@ def test_a_synthetic_source_mixes_with_shards_and_is_named_on_the_card(two_sets,
     mtime = os.stat(sources[0].urls[0]).st_mtime_ns
     assert training_sources(cfg, Accelerator(cpu=True), tmp_path)[0].urls == sources[0].urls
     assert os.stat(sources[0].urls[0]).st_mtime_ns == mtime
+
+
+def test_a_sources_weight_and_name_in_words():
+    from data.sources import SyntheticSource, safe_name
+
+    assert ShardsSource(shards="a/").weight() == ""
+    assert ShardsSource(shards="a/", share=0.25).weight() == " (share 0.25)"
+    assert SyntheticSource(repeat=3).weight() == " (repeat 3)"
+    assert ShardsSource(shards="a/", choose=5000).weight() == " (5000 draws per epoch)"
+    assert safe_name("Web/curated 2.v1-x") == "Web_curated_2.v1-x"
+
+
+def test_a_synthetic_source_draws_from_the_runs_seed_unless_it_names_its_own(tmp_path):
+    from data.sources import SourcePlace, SyntheticSource
+
+    place = SourcePlace(tmp_path / "default", resolution=32, seed=7)
+    assert SyntheticSource(samples=6).resolve(place) == write_synthetic_shards(tmp_path / "default", num_samples=6,
+                                                                                resolution=32, seed=7)
+    own = SyntheticSource(samples=6, seed=2, folder=str(tmp_path / "own"))
+    assert own.resolve(place) == write_synthetic_shards(tmp_path / "own", num_samples=6, resolution=32, seed=2)
+
+
+def test_a_shard_named_by_a_relative_and_an_absolute_path_is_one_shard(two_sets, monkeypatch):
+    root, big, small = two_sets
+    monkeypatch.chdir(root)
+    with pytest.raises(ValueError, match="is in both source0 and source1"):
+        resolve_sources([ShardsSource(shards=os.path.relpath(big[0], root)), ShardsSource(shards=big[0])])

@@ -72,6 +72,9 @@ def test_train_save_resume_export(tmp_path, loss_kind, objective, extra):
     second = run_train([*common, "train.max_steps=6", "train.keep_checkpoints=2", "--resume", "latest"], tmp_path)
     assert f"resumed from {out / 'checkpoints' / 'step_0000004'} at step 4" in second.stdout
     assert "done: step 6" in second.stdout
+    # the checkpoint records what its position counts in; the same data on resume: no line about it
+    recorded = torch.load(out / "checkpoints" / "step_0000004" / "train_state.pt", weights_only=False)["data"]
+    assert len(recorded) == 16 and "changed since the checkpoint" not in second.stdout
     # keep_checkpoints=2: the oldest is pruned, `latest` names the new one; the EMA continued from its saved state
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_0000004", "step_0000006"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000006"

@@ -105,6 +105,8 @@ class TrainState:
     continues at the right place after any sequence of changes of process count, batch size or accumulation (None
     after loading a checkpoint that does not record it); the loader continues from it. `samples_per_step`: the
     global batch of the run that wrote the checkpoint (processes x grad_accum x batch size; None: not recorded).
+    `data`: the fingerprint of the samples that position counts in (`data.stream.reader_fingerprint`; None: not
+    recorded, or a stream without one).
     """
 
     def __init__(self, world_size: int | None = None) -> None:
@@ -112,6 +114,7 @@ class TrainState:
         self.world_size = world_size
         self.samples: int | None = 0
         self.samples_per_step: int | None = None
+        self.data: str | None = None
 
     def advance(self, samples: int) -> None:
         """One optimizer step done, which consumed `samples` samples of the global stream."""
@@ -120,13 +123,14 @@ class TrainState:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "world_size": self.world_size, "samples": self.samples,
-                "samples_per_step": self.samples_per_step}
+                "samples_per_step": self.samples_per_step, "data": self.data}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.world_size = state.get("world_size")
         self.samples = None if state.get("samples") is None else int(state["samples"])
         self.samples_per_step = state.get("samples_per_step")
+        self.data = state.get("data")
 
 
 class _Parts:

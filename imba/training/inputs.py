@@ -15,25 +15,21 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from data.concepts import CaptionBucketer, collect_stats, extractor_from_stats, write_stats
-from data.draw_plan import (DrawPlan, describe_plan, entry_table, load_entry_table, load_plan, plan_draws,
-                             plan_fingerprint, plot_plan)
+from data.draw_plan import DrawPlan, entry_table, load_entry_table
 from data.files import read_json_object, write_json
-from data.buckets import assign_buckets, bucket_sizes
-from data.index import ShardIndex, load_or_build_index
-from data.loaders import build_loader
+from data.index import ShardIndex
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import MANIFEST_NAME, find_manifest
 from data.skips import NoUsableSamples, too_small_advice
-from data.urls import expand_urls, is_remote
 from data.sources import Source, SourceMix, SourcePlace, check_same_kind, resolve_sources, safe_name
-from data.weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
+from data.stream import PLAN_POLL_S, caption_workers, draw_plan as stream_plan, make_stream, reader_fingerprint
+from data.urls import expand_urls, is_remote
 from imba.training.balancing import OnlineBalancer, loader_lag
 from imba.training.config import Config, ConfigError
 from imba.training.resume import StreamPosition
 from imba.training.run_folder import RunFolder
 
 SOURCE_NAME = "source.json"  # which input shards (and their sizes and times) a features folder was encoded from
-PLAN_POLL_S = 1.0  # how often the other ranks look for the plan the main process is computing
 
 
 def training_sources(cfg: Config, accelerator: Accelerator, out: Path) -> list[Source]:
@@ -54,13 +50,9 @@ def training_sources(cfg: Config, accelerator: Accelerator, out: Path) -> list[S
         except ValueError as err:
             raise ConfigError(str(err)) from err
     for source in sources:
-        accelerator.print(f"data: {source.name}: {source.describe()}{source.kind.weight()}, {len(source.urls)} shards")
+        accelerator.print(f"data: {source.name}: {source.kind.describe()}{source.kind.weight()}, "
+                          f"{len(source.urls)} shards")
     return sources
-
-
-def all_shards(sources: list[Source]) -> list[str]:
-    """The sources' shards, source after source: the order of the index the loader reads."""
-    return [url for source in sources for url in source.urls]
 
 
 def precomputes(cfg: Config) -> bool:
@@ -128,42 +120,18 @@ def precompute_sources(cfg: Config, accelerator: Accelerator, out: Path, sources
 
 def draw_plan(cfg: Config, accelerator: Accelerator, sources: list[Source]
               ) -> tuple[DrawPlan, ShardIndex, SourceMix]:
-    """The run's draw plan (data.sources shares, data.balance weights), the index and the mix of sources it is made
-    for: computed by the main process into <train.output_dir>/data/ (reused while its fingerprint holds), described
-    and plotted there, read by the others."""
-    d, folder = cfg.data, RunFolder(cfg.train.output_dir).plan
-    shards = all_shards(sources)
-    with accelerator.main_process_first():
-        index = load_or_build_index(shards, cache=d.cache())
+    """The run's draw plan, index and mix of sources (`data.stream.draw_plan`), computed into
+    <train.output_dir>/data/."""
     try:
-        mix = SourceMix(sources, index.nsamples, d.epoch_samples)
+        return stream_plan(cfg.data, accelerator, sources, RunFolder(cfg.train.output_dir).plan, _extractor(cfg))
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    extractor = _extractor(cfg)
-    balance = d.balance.plan_rule()  # an online rule: the natural plan, which its balancer re-weights
-    if accelerator.is_main_process:
-        plan = plan_draws(index, mix, balance, folder, extractor=extractor, caption_field=d.caption_field,
-                          progress=True, workers=_caption_workers(index))
-        for line in describe_plan(plan):
-            print(line)
-        drawn = plot_plan(plan, folder)
-        print(f"data: the draw plan is in {folder}/" + (f" (concepts drawn vs natural: {drawn})" if drawn else ""))
-    else:  # polled, not a collective: reading a large set's captions may outlast a process-group timeout
-        fingerprint = plan_fingerprint(index, mix, balance, extractor)
-        while (plan := load_plan(folder, fingerprint)) is None:
-            time.sleep(PLAN_POLL_S)
-    accelerator.wait_for_everyone()
-    return plan, index, mix
 
 
 def _extractor(cfg: Config):
     """The concept extractor of train.concept_stats's vocabulary, or None for the default one."""
     stats = cfg.train.concept_stats
     return extractor_from_stats(stats) if stats not in ("auto", "none") else None
-
-
-def _caption_workers(index: ShardIndex) -> int:
-    return min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1
 
 
 def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source], patch_size: int,
@@ -178,7 +146,7 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
     folder, fingerprint = RunFolder(cfg.train.output_dir).plan, plan.report["fingerprint"]
     if accelerator.is_main_process:
         table = entry_table(index, folder, fingerprint, _extractor(cfg), d.caption_field,
-                            workers=_caption_workers(index), progress=True)
+                            workers=caption_workers(index), progress=True)
     else:  # polled, as the plan is
         while (table := load_entry_table(folder, fingerprint)) is None:
             time.sleep(PLAN_POLL_S)
@@ -194,52 +162,37 @@ def online_balancer(cfg: Config, accelerator: Accelerator, sources: list[Source]
 
 def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], position: StreamPosition,
                 manifest: dict | None, bucket_divisor: int, balancer: OnlineBalancer | None = None):
-    """The loader of `cfg.data`, continuing at `position` (what the run consumed of the global stream): exactly, on
-    any process count, for the weighted stream (data.sources, data.balance; data.balance=imba: `balancer`'s stream);
-    in indexed mode at the global batch the position falls in; in streaming mode reseeded from it."""
-    d, world = cfg.data, accelerator.num_processes
-    per_step = cfg.global_batch(world)
-    step, samples = position.step, position.samples
-    sampler = None
-    if d.weighted():
-        where = dict(rank=accelerator.process_index, world_size=world, samples_done=samples)
-        if balancer is not None:  # its stream: the natural plan, re-weighted as the run goes
-            balancer.begin(step, samples, per_step)
-            plan = balancer.order
-            sampler = StreamBatchSampler(balancer.order, d.batch_size, **where)
-        elif d.bucketing:  # the bucket of each image from the sizes in the index; the plan's draws within each bucket
-            plan, index, _ = draw_plan(cfg, accelerator, sources)
-            buckets = bucket_sizes(d.resolution, bucket_divisor)
-            # the stream of bucket batches is cut in batches of data.batch_size: after a change of it (other bucket
-            # batches anyway) a position inside one starts at the next
-            where["samples_done"] = -(-samples // d.batch_size) * d.batch_size
-            sampler = WeightedBucketSampler(plan.units, plan.samples_per_epoch,
-                                            assign_buckets(index.sizes[:, 0], index.sizes[:, 1], buckets), buckets,
-                                            d.batch_size, seed=cfg.train.seed, **where)
-            accelerator.print(f"data: aspect-ratio buckets, draws per epoch: {sampler.describe()}")
-        else:
-            plan, index, _ = draw_plan(cfg, accelerator, sources)
-            order = WeightedOrder(plan.units, plan.samples_per_epoch, seed=cfg.train.seed, shard_sizes=index.nsamples,
-                                  window=d.shard_window)
-            sampler = StreamBatchSampler(order, d.batch_size, **where)
-        if step:
-            accelerator.print(f"data: the stream continues after {position.describe()}, epoch "
-                              f"{where['samples_done'] / plan.samples_per_epoch:.2f}")
-    # the uniform order and the stream reader count batches per rank: the global batch the position falls in
-    consumed = samples // (world * d.batch_size)
-    if step and not d.weighted():
-        accelerator.print(f"data: each rank continues after {consumed} batches of {d.batch_size}, at "
-                          f"{position.describe()}")
-    shards = all_shards(sources)
+    """The loader of `cfg.data` (`data.stream.make_stream`), continuing at `position` (what the run consumed of the
+    global stream): exactly, on any process count, for the weighted stream (data.sources, data.balance;
+    data.balance=imba: `balancer`'s stream); in indexed mode at the global batch the position falls in; in streaming
+    mode reseeded from it."""
+    if balancer is not None:  # its stream: the natural plan, re-weighted as the run goes
+        balancer.begin(position.step, position.samples, cfg.global_batch(accelerator.num_processes))
     try:
-        return build_loader(shards, d.mode, **d.decoding(), batch_size=d.batch_size, num_workers=d.num_workers,
-                            seed=cfg.train.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                            shuffle_buffer=d.shuffle_buffer, bucketing=d.bucketing, bucket_divisor=bucket_divisor,
-                            batches_done=consumed, manifest=manifest, loader_threads=d.loader_threads,
-                            main_process_first=accelerator.main_process_first, sampler=sampler, cache=d.cache(),
-                            shard_window=d.shard_window)
+        stream = make_stream(cfg.data, accelerator, sources, seed=cfg.train.seed, samples_done=position.samples,
+                             manifest=manifest, bucket_divisor=bucket_divisor,
+                             plan_folder=RunFolder(cfg.train.output_dir).plan, extractor=_extractor(cfg),
+                             order=balancer.order if balancer is not None else None, log=accelerator.print)
     except ValueError as err:  # settings the data cannot serve (e.g. buckets of precomputed latents)
         raise ConfigError(str(err)) from err
+    if position.step and stream.epoch is not None:
+        accelerator.print(f"data: the stream continues after {position.describe()}, epoch {stream.epoch:.2f}")
+    elif position.step:
+        accelerator.print(f"data: each rank continues after {stream.batches_done} batches of {cfg.data.batch_size}, "
+                          f"at {position.describe()}")
+    return stream.loader
+
+
+def check_data(accelerator: Accelerator, loader, recorded: str | None) -> str | None:
+    """The fingerprint of the samples `loader` reads (`data.stream.reader_fingerprint`; None for the streaming
+    reader), with a line when a resumed run's differs from the one its checkpoint recorded (`recorded`): the
+    position then counts in other data."""
+    now = reader_fingerprint(loader)
+    if recorded is not None and now is not None and now != recorded:
+        accelerator.print("data: the shards or how their samples are decoded changed since the checkpoint (other "
+                          "files, sizes, times or decoding settings): the stream continues at the same position, "
+                          "which now holds other samples than the ones the checkpoint's run would have read next")
+    return now
 
 
 def concept_bucketer(cfg: Config, accelerator: Accelerator, shards: list[str], out: Path) -> CaptionBucketer | None:

@@ -1,0 +1,88 @@
+"""The data stream of a run (data/stream.py): its readers behind one protocol (length, sample i, fingerprint), the
+stream built from the data settings by one call, and the line a resume prints when its data changed under it."""
+
+import os
+import shutil
+
+import pytest
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from data.indexed import IndexedShards
+from data.precompute import PrecomputeSettings, precompute_shards
+from data.precomputed import PrecomputedShards, load_manifest
+from data.stream import Reader, make_stream, reader_fingerprint
+from data.synthetic import write_synthetic_shards
+from imba.training.config import load_config
+from imba.training.inputs import check_data, training_sources
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    return write_synthetic_shards(root / "a", num_samples=20, samples_per_shard=8, resolution=32, seed=3)
+
+
+def test_both_readers_are_readers_and_their_fingerprint_follows_what_decides_a_sample(shards, tmp_path):
+    reader = IndexedShards(shards, 32)
+    assert isinstance(reader, Reader) and len(reader) == 20 and reader[3]["key"] == reader[3]["key"]
+    same = IndexedShards(list(shards), 32).fingerprint()
+    assert reader.fingerprint() == same  # a function of the shards and the decoding, not of the object
+    for other in (IndexedShards(shards, 16), IndexedShards(shards, 32, caption_field="alt"),
+                  IndexedShards(shards, 32, min_size=8), IndexedShards(shards[:2], 32)):
+        assert other.fingerprint() != same
+    copy = [shutil.copy(s, tmp_path / os.path.basename(s)) for s in shards]
+    moved = IndexedShards(copy, 32).fingerprint()
+    assert moved != same  # other files (paths and times), though the bytes are the same
+    with open(copy[0], "ab") as f:
+        f.write(b"\0" * 512)  # another size, the same samples: the index is made again, the fingerprint moves
+    assert IndexedShards(copy, 32).fingerprint() != moved
+
+    settings = PrecomputeSettings(vae="tiny", text_encoder="tiny-words", resolution=32)
+    precompute_shards(shards, tmp_path / "features", settings, batch_size=8)
+    features = sorted(str(p) for p in (tmp_path / "features").glob("*.tar"))
+    precomputed = PrecomputedShards(features)
+    assert isinstance(precomputed, Reader) and len(precomputed) == 20
+    manifest = load_manifest(features)
+    assert PrecomputedShards(features, manifest={**manifest, "text_dtype": "int8"}).fingerprint() != \
+        precomputed.fingerprint()  # the features' settings decide their samples
+    assert PrecomputedShards(features, manifest={**manifest, "__path__": "elsewhere"}).fingerprint() == \
+        precomputed.fingerprint()  # where the manifest was read does not
+
+
+def test_the_stream_is_built_from_the_data_settings_in_one_call(shards, tmp_path):
+    accelerator = Accelerator(cpu=True)
+    plain = load_config(["data.resolution=32", "data.batch_size=4", f"data.shards={os.path.dirname(shards[0])}",
+                         f"train.output_dir={tmp_path}"])
+    sources = training_sources(plain, accelerator, tmp_path)
+    stream = make_stream(plain.data, accelerator, sources, seed=0, samples_done=8, manifest=None, bucket_divisor=16,
+                         plan_folder=tmp_path / "data")
+    assert stream.batches_done == 2 and stream.epoch is None  # the uniform order: batches of this rank
+    assert len(next(iter(stream.loader))["keys"]) == 4 and not (tmp_path / "data").exists()
+    balanced = load_config(["data.resolution=32", "data.batch_size=4", f"data.shards={os.path.dirname(shards[0])}",
+                            "data.balance=temperature", f"train.output_dir={tmp_path}"])
+    stream = make_stream(balanced.data, accelerator, sources, seed=0, samples_done=30, manifest=None,
+                         bucket_divisor=16, plan_folder=tmp_path / "data")
+    assert stream.epoch == pytest.approx(30 / 20)  # the weighted stream: its position in epochs of the plan
+    assert (tmp_path / "data").is_dir()  # the plan, computed by the main process into its folder
+    assert reader_fingerprint(stream.loader) == IndexedShards(shards, 32).fingerprint()
+
+
+def test_a_resume_whose_data_changed_says_so_in_one_line(shards, tmp_path, capsys):
+    accelerator = Accelerator(cpu=True)
+    loader = make_stream(load_config(["data.resolution=32", "data.batch_size=4"]).data, accelerator,
+                         [type("S", (), {"urls": shards})()], seed=0, samples_done=0, manifest=None,
+                         bucket_divisor=16, plan_folder=tmp_path).loader
+    recorded = check_data(accelerator, loader, None)  # a fresh run: nothing to compare with
+    assert recorded == IndexedShards(shards, 32).fingerprint() and capsys.readouterr().out == ""
+    assert check_data(accelerator, loader, recorded) == recorded and capsys.readouterr().out == ""
+    check_data(accelerator, loader, "0123456789abcdef")  # the checkpoint's run read other samples
+    out = capsys.readouterr().out
+    assert out.startswith("data: the shards or how their samples are decoded changed since the checkpoint")
+    assert out.count("\n") == 1
