@@ -63,6 +63,9 @@ PLANTED = {
     "evaluation imports models": (
         "imba/eval/_planted.py", "from models.vae import load_vae\n", "imba.eval works from files",
         "imba.eval._planted -> models.vae"),
+    "the training code builds a sampler itself": (
+        "imba/training/inputs.py", "\nfrom data.order import IndexedBatchSampler\n",
+        "imba/ reaches the readers and orders through data.stream", "imba.training.inputs -> data.order"),
     "two data modules import each other": (
         "data/precompute_settings.py", "\nfrom . import precompute\n", "no import cycles",
         "No cycles are allowed in data."),
