@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(names[b])}" for b in ("head", "torso", "tail", "held_out")) + f"); plain reads red cross "
           f"{100 * plain['red cross']:.1f} %")
 
-    from composition import mean_ci
+    from composition_report import mean_ci
 
     for bucket in ("tail", "held_out"):
         d = seed_differences(runs, "imba_target_tnorm_efficient", 2000, "plain", 2600, names[bucket])

@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import composition  # noqa: E402
+import composition_report  # noqa: E402
+import composition_variants  # noqa: E402
 from composition_diagnostics import pearson, world_features  # noqa: E402
 from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHAPES, WORLDS, Oracle,  # noqa: E402
                                 PairWorld, ScenePool, TilePool, WordEncoder, balance_marginals, caption,
@@ -144,7 +146,7 @@ def test_importance_weights_turn_the_pool_into_the_balanced_stream_in_expectatio
 
 def test_a_variant_is_data_and_a_key_the_runner_does_not_know_is_an_error():
     with pytest.raises(TypeError, match="distanse"):
-        composition.variant(kind="imba", distanse="l1")
+        composition_variants.variant(kind="imba", distanse="l1")
     for bad, message in [(dict(kind="imba", distance="l3"), "loss.distance must be one of mse, l1, l2"),
                          (dict(stream="balanced"), "variant stream must be one of long_tailed"),
                          (dict(stream="caption"), "alpha is the exponent of a weighted stream"),
@@ -153,58 +155,58 @@ def test_a_variant_is_data_and_a_key_the_runner_does_not_know_is_an_error():
                          (dict(reweight="inverse"), "variant reweight must be one of None, inverse_freq"),
                          (dict(objective="edm"), "variant objective must be one of")]:
         with pytest.raises(ValueError, match=message):
-            composition.variant(**bad)
+            composition_variants.variant(**bad)
     # every loss setting of a variant reaches the loss it trains with, as the trainer's loss section does
-    spec = composition.variant(kind="imba", distance="l1", gamma=0.5, lam=0.7, reference="cond")
+    spec = composition_variants.variant(kind="imba", distance="l1", gamma=0.5, lam=0.7, reference="cond")
     assert spec.loss.kwargs() == {"kind": "imba", "distance": "l1", "gamma": 0.5, "lam": 0.7, "reference": "cond",
                                   "normalize": "none", "estimator": "literal", "min_snr_gamma": 0.0}
     with pytest.raises(TypeError, match="reference"):  # a setting the plain loss does not read
-        composition.variant(kind="plain", reference="cond")
+        composition_variants.variant(kind="plain", reference="cond")
     with pytest.raises(ValueError, match="variant loss kind must be one of plain, imba, imba_sample"):
-        composition.variant(kind="imba_tokens")
-    assert all(isinstance(v, composition.Variant) for v in composition.VARIANTS.values())
+        composition_variants.variant(kind="imba_tokens")
+    assert all(isinstance(v, composition_variants.Variant) for v in composition_variants.VARIANTS.values())
 
 
 def test_controls_and_levers_train_on_to_the_equal_compute_lengths():
-    assert composition.train_lengths("plain", [1000]) == [1000, 2000]
+    assert composition_variants.train_lengths("plain", [1000]) == [1000, 2000]
     # the longest length times the largest cost: every other variant's compute lies inside and is read by
     # interpolation between these points
-    assert composition.train_lengths("plain_balanced_eps", [100, 200]) == [100, 200, 400]
-    assert composition.train_lengths("plain_concept_balanced", [1000, 1500], factors=(1.3,)) == [1000, 1500, 1950]
-    assert composition.train_lengths("importance", [1000]) == [1000]
-    assert composition.train_lengths("imba_target", [1000]) == [1000]
-    assert composition.train_lengths("inverse_freq", [1000]) == [1000]  # a loss-side baseline, not a reference
-    assert composition.train_lengths("plain_hues", [1000], factors=(1.3,)) == [1000, 1300]
-    assert composition.train_lengths("plain", [1000], factors=()) == [1000]
-    assert composition.relative_cost("imba_cond_tnorm_efficient") == 1.3
-    assert composition.relative_cost("imba_sample") == 2.0 and composition.relative_cost("inverse_freq") == 1.0
+    assert composition_variants.train_lengths("plain_balanced_eps", [100, 200]) == [100, 200, 400]
+    assert composition_variants.train_lengths("plain_concept_balanced", [1000, 1500], factors=(1.3,)) == [1000, 1500, 1950]
+    assert composition_variants.train_lengths("importance", [1000]) == [1000]
+    assert composition_variants.train_lengths("imba_target", [1000]) == [1000]
+    assert composition_variants.train_lengths("inverse_freq", [1000]) == [1000]  # a loss-side baseline, not a reference
+    assert composition_variants.train_lengths("plain_hues", [1000], factors=(1.3,)) == [1000, 1300]
+    assert composition_variants.train_lengths("plain", [1000], factors=()) == [1000]
+    assert composition_variants.relative_cost("imba_cond_tnorm_efficient") == 1.3
+    assert composition_variants.relative_cost("imba_sample") == 2.0 and composition_variants.relative_cost("inverse_freq") == 1.0
 
 
 def test_variants_of_another_cost_leave_the_default_controls_lengths_as_they_were():
     new = ["caption_balanced", "caption_balanced_a1", "imba_grouped"]
-    for variants in (composition.DEFAULT_VARIANTS, composition.DEFAULT_VARIANTS + new):
-        factors = tuple(sorted({composition.relative_cost(v) for v in variants} - {1.0}))
-        lengths = {v: composition.train_lengths(v, composition.DEFAULT_STEPS, True, factors) for v in variants}
+    for variants in (composition_variants.DEFAULT_VARIANTS, composition_variants.DEFAULT_VARIANTS + new):
+        factors = tuple(sorted({composition_variants.relative_cost(v) for v in variants} - {1.0}))
+        lengths = {v: composition_variants.train_lengths(v, composition_variants.DEFAULT_STEPS, True, factors) for v in variants}
         for control in ("plain", "plain_balanced", "plain_concept_balanced"):
             assert lengths[control] == [1000, 1500, 1950]  # the settings of the recorded default runs
         assert lengths["imba_target_tnorm_efficient"] == [1000, 1500]
         for variant in set(new) & set(variants):  # compared with the controls, not controls themselves
-            assert lengths[variant] == [1000, 1500] and not composition.is_stream_control(variant)
-    assert composition.relative_cost("caption_balanced") == composition.relative_cost("caption_balanced_a1") == 1.0
-    assert composition.relative_cost("imba_grouped") == pytest.approx(1 + 4 / 96)  # + B/8 no-grad rows at B = 32
-    assert composition.relative_cost("imba_grouped", batch_size=4) == pytest.approx(1 + 1 / 12)  # at least a row
+            assert lengths[variant] == [1000, 1500] and not composition_variants.is_stream_control(variant)
+    assert composition_variants.relative_cost("caption_balanced") == composition_variants.relative_cost("caption_balanced_a1") == 1.0
+    assert composition_variants.relative_cost("imba_grouped") == pytest.approx(1 + 4 / 96)  # + B/8 no-grad rows at B = 32
+    assert composition_variants.relative_cost("imba_grouped", batch_size=4) == pytest.approx(1 + 1 / 12)  # at least a row
 
 
 def test_reaching_the_controls_adds_their_last_point_at_equal_steps_and_equal_compute():
     factors = (1 + 4 / 96, 1.3)
-    reach = {v: composition.train_lengths(v, [1000, 1500], True, factors, reach=True)
+    reach = {v: composition_variants.train_lengths(v, [1000, 1500], True, factors, reach=True)
              for v in ("plain", "imba_target_tnorm_efficient", "caption_balanced", "imba_grouped")}
     assert reach["plain"] == [1000, 1500, 1950]  # the controls as without it
     assert reach["imba_target_tnorm_efficient"] == [1000, 1500]  # the costliest reaches 1950's compute at 1500
     assert reach["caption_balanced"] == [1000, 1500, 1950]
     assert reach["imba_grouped"] == [1000, 1500, 1872, 1950]  # 1872 steps × 1.0417 = 1950 plain steps
-    assert composition.train_lengths("imba_grouped", [1000, 1500], True, factors) == [1000, 1500]  # opt-in
-    assert composition.train_lengths("imba_grouped", [1000, 1500], False, factors, reach=True) == [1000, 1500]
+    assert composition_variants.train_lengths("imba_grouped", [1000, 1500], True, factors) == [1000, 1500]  # opt-in
+    assert composition_variants.train_lengths("imba_grouped", [1000, 1500], False, factors, reach=True) == [1000, 1500]
 
 
 def _scene_pool(seed=0, tiles=600):
@@ -309,13 +311,13 @@ def test_the_balanced_streams_train_on_weighted_scenes_and_log_their_factors(tmp
     """run_one of the caption- and IMBA-balanced variants: scenes drawn from the weighted stream, the no-grad
     unconditional rows counted in the compute, and the factors logged per evaluation."""
     job = dict(world="concept_tail", scenes="fixed", fixed_ranks=False, protocol=composition.PROTOCOL,
-               steps=[composition.BALANCE_EVERY * 2], per_pair=1, sampling_steps=2, batch_size=8, pool=300,
+               steps=[composition_variants.BALANCE_EVERY * 2], per_pair=1, sampling_steps=2, batch_size=8, pool=300,
                oracle=str(composition.ORACLE), oracle_b=None, grid_dir=None, models_dir=None, seed=0)
     runs = {v: composition.run_one({**job, "variant": v}) for v in ("plain", "caption_balanced", "imba_grouped")}
-    steps = composition.BALANCE_EVERY * 2
+    steps = composition_variants.BALANCE_EVERY * 2
     results = {v: run["results"][steps] for v, run in runs.items()}
     assert results["caption_balanced"]["compute"] == steps
-    assert results["imba_grouped"]["compute"] == pytest.approx(steps * composition.relative_cost("imba_grouped", 8))
+    assert results["imba_grouped"]["compute"] == pytest.approx(steps * composition_variants.relative_cost("imba_grouped", 8))
     assert "stream_factors" not in results["plain"]
     online = results["imba_grouped"]["stream_factors"]
     assert online["refreshes"] == 2 and online["max_factor"] >= 1 and len(online["multipliers"]) == 4
@@ -424,7 +426,7 @@ def _runs(world, values, cost=None):
             run = runs.setdefault((variant, seed), {"variant": variant, "seed": seed, "results": {},
                                                     "settings": {"per_pair": 4}, "world": world.kind,
                                                     "buckets": world.bucket_of_name})
-            c = (cost or {}).get(variant, composition.relative_cost(variant))
+            c = (cost or {}).get(variant, composition_variants.relative_cost(variant))
             run["results"][length] = {"per_pair": per_pair, "failures": failures, "compute": c * length,
                                       "train_seconds": 0.01 * c * length,
                                       "per_pair_half": {k: min(1.0, v + 0.1) if v < 1 else v
@@ -438,7 +440,7 @@ def test_levers_are_compared_with_each_imba_form_at_its_compute():
                          ("plain_hues", 200): {0: 0.9, 1: 0.9},
                          ("imba_target_tnorm_efficient", 100): {0: 0.4, 1: 0.4},
                          ("imba_target", 100): {0: 0.6, 1: 0.8}, ("plain", 100): {0: 0.1, 1: 0.1}})
-    table = composition.levers_against_imba(runs, [100])[100]
+    table = composition_report.levers_against_imba(runs, [100])[100]
     assert set(table) == {"plain_hues vs imba_target_tnorm_efficient", "plain_hues vs imba_target"}
     efficient = table["plain_hues vs imba_target_tnorm_efficient"]
     assert efficient["lever_steps"] == 130 and efficient["seeds"] == [0, 1]
@@ -456,12 +458,12 @@ def test_summary_and_gap_closed_pair_the_seeds_and_interpolate_the_controls_at_e
         ("plain_balanced", 100): {0: 0.6, 1: 0.8}, ("plain_balanced", 200): {0: 0.8, 1: 1.0},
         ("imba_target", 100): {0: 0.4, 1: 0.6}, ("imba_target_efficient", 100): {0: 0.4, 1: 0.6},
     })
-    summary = composition.summarise(runs)
+    summary = composition_report.summarise(runs)
     mean, half = summary[100]["plain"]["tail"]
     assert math.isclose(mean, 0.3) and math.isclose(half, 12.706 * math.sqrt(0.02) / math.sqrt(2))
     assert summary[100]["plain"]["head"] == (1.0, 0.0)
-    assert composition.summarise(runs, "per_pair_half")[100]["plain"]["tail"][0] == pytest.approx(0.4)
-    steps = composition.gap_closed(runs, [100], compute=False)[100]["imba_target"]
+    assert composition_report.summarise(runs, "per_pair_half")[100]["plain"]["tail"][0] == pytest.approx(0.4)
+    steps = composition_report.gap_closed(runs, [100], compute=False)[100]["imba_target"]
     assert steps["reference"] == 100 and steps["seeds"] == [0, 1]
     assert steps["buckets"]["tail"]["gain"] == pytest.approx((0.2, 0.0))
     assert steps["buckets"]["tail"]["gap"] == pytest.approx((0.4, 0.0))
@@ -469,11 +471,11 @@ def test_summary_and_gap_closed_pair_the_seeds_and_interpolate_the_controls_at_e
     # every pair and seed closes half of its gap: so does every bootstrap draw
     assert steps["buckets"]["tail"]["fraction_ci"] == pytest.approx((0.5, 0.5))
     assert steps["buckets"]["head"]["fraction"] is None  # no gap on the head: no fraction
-    uncertain = composition.gap_closed(_runs(world, {
+    uncertain = composition_report.gap_closed(_runs(world, {
         ("plain", 100): {0: 0.2, 1: 0.4}, ("plain_balanced", 100): {0: 0.9, 1: 0.45},
         ("imba_target", 100): {0: 0.4, 1: 0.6}}), [100], compute=False)[100]["imba_target"]
     assert uncertain["buckets"]["tail"]["fraction"] is None  # a gap whose interval reaches 0
-    compute = composition.gap_closed(runs, [100], compute=True)[100]
+    compute = composition_report.gap_closed(runs, [100], compute=True)[100]
     # literal IMBA costs 2 plain steps: compared with the controls at 200 steps (gap 0.5, gain 0.1)
     assert compute["imba_target"]["reference"] == 200
     assert compute["imba_target"]["buckets"]["tail"]["fraction"] == pytest.approx(0.1 / 0.5)
@@ -481,11 +483,11 @@ def test_summary_and_gap_closed_pair_the_seeds_and_interpolate_the_controls_at_e
     efficient = compute["imba_target_efficient"]["buckets"]["tail"]
     assert compute["imba_target_efficient"]["reference"] == pytest.approx(130)
     assert efficient["gain"][0] == pytest.approx(0.5 - 0.33) and efficient["gap"][0] == pytest.approx(0.76 - 0.33)
-    failures = composition.failure_table(runs, 100)
+    failures = composition_report.failure_table(runs, 100)
     assert failures["plain"]["tail"] == {"missing_object": 0.25, "colour_on_wrong_shape": 0.0, "other": 0.0}
     gaps = {("equal compute", "per_pair"): {100: compute}}
-    report = composition.world_report("concept_tail", {m: composition.summarise(runs, m) for m in composition.METRICS},
-                                      gaps, failures, {}, composition.run_facts(runs, 100),
+    report = composition_report.world_report("concept_tail", {m: composition_report.summarise(runs, m) for m in composition_report.METRICS},
+                                      gaps, failures, {}, composition_report.run_facts(runs, 100),
                                       ["plain", "plain_balanced", "imba_target"], [100], seeds=2)
     assert "| plain @ 100 | 100.0 ± 0.0 | 100.0 ± 0.0 | 30.0 ± " in report
     assert "| plain_balanced @ 200 |" in report and "| imba_target @ 200 |" not in report
@@ -495,25 +497,25 @@ def test_summary_and_gap_closed_pair_the_seeds_and_interpolate_the_controls_at_e
 
 def test_at_compute_interpolates_between_evaluations_and_refuses_to_extrapolate():
     run = {"results": {100: {"compute": 100.0, "m": {"a": 0.2}}, 200: {"compute": 200.0, "m": {"a": 0.6}}}}
-    assert composition.at_compute(run, 150.0, "m")["a"] == pytest.approx(0.4)
-    assert composition.at_compute(run, 201.0, "m") == {"a": 0.6}  # within 2 %: the evaluation itself
-    assert composition.at_compute(run, 260.0, "m") is None and composition.at_compute(run, 50.0, "m") is None
+    assert composition_report.at_compute(run, 150.0, "m")["a"] == pytest.approx(0.4)
+    assert composition_report.at_compute(run, 201.0, "m") == {"a": 0.6}  # within 2 %: the evaluation itself
+    assert composition_report.at_compute(run, 260.0, "m") is None and composition_report.at_compute(run, 50.0, "m") is None
 
 
 def test_the_fraction_interval_inverts_the_paired_t_test_over_seeds():
     # a gap the same in every seed: the interval is the gain's t interval over the 3 seeds, divided by the gap
-    lo, hi = composition.fraction_interval([0.1, 0.3, 0.2], [0.5, 0.5, 0.5])
+    lo, hi = composition_report.fraction_interval([0.1, 0.3, 0.2], [0.5, 0.5, 0.5])
     half = 4.303 * 0.1 / math.sqrt(3)  # t(2) * sd of the gains / sqrt(3)
     assert (lo, hi) == pytest.approx(((0.2 - half) / 0.5, (0.2 + half) / 0.5))
     # at each end the paired t-test of gain - f * gap is exactly at its 95 % bound
     gains, gaps = [0.10, 0.35, 0.20, 0.28], [0.45, 0.60, 0.40, 0.52]
-    for f in composition.fraction_interval(gains, gaps):
+    for f in composition_report.fraction_interval(gains, gaps):
         d = [g - f * c for g, c in zip(gains, gaps)]
         assert abs(statistics.fmean(d)) == pytest.approx(3.182 * statistics.stdev(d) / 2)
     # five seeds whose fractions are all positive can still give an interval that reaches 0: what varies is the seed
-    assert composition.fraction_interval([0.04, 0.36, 0.10, 0.02, 0.30], [0.5, 0.5, 0.5, 0.5, 0.5])[0] < 0
-    assert composition.fraction_interval([0.1], [0.5]) is None
-    assert composition.fraction_interval([0.1, 0.2, 0.1], [0.5, -0.4, 0.1]) is None  # no clear gap: unbounded
+    assert composition_report.fraction_interval([0.04, 0.36, 0.10, 0.02, 0.30], [0.5, 0.5, 0.5, 0.5, 0.5])[0] < 0
+    assert composition_report.fraction_interval([0.1], [0.5]) is None
+    assert composition_report.fraction_interval([0.1, 0.2, 0.1], [0.5, -0.4, 0.1]) is None  # no clear gap: unbounded
 
 
 def test_generation_keeps_no_graph():
@@ -698,7 +700,7 @@ def test_exposure_tables_bin_pairs_and_read_concepts_by_rank_and_name():
                                              else 5000) for n, p in zip(names, world.pairs)},
                             "per_pair_half": {n: (0.2 if world.buckets[p] == "tail" else 0.9)
                                               for n, p in zip(names, world.pairs)}}}}
-    table = composition.exposure_tables([run], 10)["plain"]
+    table = composition_report.exposure_tables([run], 10)["plain"]
     assert table["bins"]["0-100"] == (pytest.approx(0.2), 11) and table["bins"]["3000-10000"][1] == 23
     top_colour = COLOURS[world.colour_rank.index(0)]
     assert table["colour_rank"]["0"] == table["colour"][top_colour]
@@ -746,16 +748,16 @@ def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, caps
     assert composition.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lengths"] == [4] and results["oracle"] == report and results["sampling_steps"] == 2
-    assert results["worlds"] == list(composition.DEFAULT_WORLDS) and results["scenes"] == "fixed"
+    assert results["worlds"] == list(composition_variants.DEFAULT_WORLDS) and results["scenes"] == "fixed"
     assert set(results["judges"]) == {"oracle", "second oracle"}  # the shipped second oracle reads beside
     variants = {"plain", "plain_balanced", "plain_concept_balanced", "imba_cond_tnorm", "importance"}
     assert ({(r["world"], r["variant"]) for r in results["runs"]}
-            == {(w, v) for w in composition.DEFAULT_WORLDS for v in variants})
+            == {(w, v) for w in composition_variants.DEFAULT_WORLDS for v in variants})
     for run in results["runs"]:
         want = {"4", "8"} if run["variant"].startswith("plain") else {"4"}  # 8: imba_cond_tnorm's compute
         assert set(run["results"]) == want
         result = run["results"]["4"]
-        assert result["compute"] == pytest.approx(4 * composition.relative_cost(run["variant"]))  # counted
+        assert result["compute"] == pytest.approx(4 * composition_variants.relative_cost(run["variant"]))  # counted
         assert 0 <= result["attribute_nmi"] < 1 and len(result["diagnostics"]["blocks"]) == 4
         rates, halves = result["per_pair"], result["per_pair_half"]
         assert len(rates) == 40 and all(r in (0.0, 0.5, 1.0) for r in rates.values())
@@ -799,13 +801,13 @@ def test_levers_smoke_run_reports_the_levers_and_diagnoses_a_saved_model(tmp_pat
     assert composition.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["worlds"] == ["concept_tail"] and results["scenes"] == "online"
-    assert sorted(r["variant"] for r in results["runs"]) == sorted(composition.LEVER_VARIANTS)
+    assert sorted(r["variant"] for r in results["runs"]) == sorted(composition_variants.LEVER_VARIANTS)
     lengths = {r["variant"]: set(r["results"]) for r in results["runs"]}
     assert lengths["plain_jitter"] == {"4", "5"} and lengths["imba_target_tnorm_efficient"] == {"4"}
     nmi = {r["variant"]: r["results"]["4"]["attribute_nmi"] for r in results["runs"]}
     assert nmi["plain_hues"] != nmi["plain"]  # more colours, each seen with the world's shapes
     levers = results["worlds_results"]["concept_tail"]["levers"]
-    assert set(levers["summary"]["4"]) == set(composition.LEVER_VARIANTS)
+    assert set(levers["summary"]["4"]) == set(composition_variants.LEVER_VARIANTS)
     assert set(levers["relations"]["4"]) == {"attribute_nmi", "shape_probe_gap", "colour_probe_gap",
                                              "shape_probe_held_out", "cka_held_out"}
     text = (tmp_path / "results.md").read_text()
@@ -835,17 +837,17 @@ def test_the_quick_modes_run_the_documented_plans():
         return composition.run_plan(composition.build_parser().parse_args(list(argv)))
 
     variants, worlds, scenes, seeds, lengths, per_pair = plan("--quick")
-    assert variants == composition.QUICK_VARIANTS and worlds == ["concept_tail", "pair_tail"] and scenes == "fixed"
+    assert variants == composition_variants.QUICK_VARIANTS and worlds == ["concept_tail", "pair_tail"] and scenes == "fixed"
     assert {"plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient",
             "caption_balanced"} == set(variants)
-    assert seeds == [0] and lengths == composition.QUICK_STEPS == [400] and per_pair == 8
+    assert seeds == [0] and lengths == composition_variants.QUICK_STEPS == [400] and per_pair == 8
     variants, worlds, scenes, seeds, lengths, per_pair = plan("--levers", "--quick")
-    assert variants == composition.LEVER_VARIANTS and worlds == ["concept_tail"] and scenes == "online"
+    assert variants == composition_variants.LEVER_VARIANTS and worlds == ["concept_tail"] and scenes == "online"
     assert seeds == [0] and lengths == [400] and per_pair == 4
     variants, _, _, seeds, lengths, per_pair = plan("--levers")
     assert seeds == [0, 1, 2] and lengths == [1000] and per_pair == 16
     variants, worlds, scenes, seeds, lengths, per_pair = plan()
-    assert variants == composition.DEFAULT_VARIANTS and seeds == composition.DEFAULT_SEEDS
-    assert lengths == sorted(composition.DEFAULT_STEPS) and per_pair == composition.DEFAULT_PER_PAIR
+    assert variants == composition_variants.DEFAULT_VARIANTS and seeds == composition_variants.DEFAULT_SEEDS
+    assert lengths == sorted(composition_variants.DEFAULT_STEPS) and per_pair == composition_variants.DEFAULT_PER_PAIR
     assert plan("--quick", "--steps", "7", "3", "--seeds", "5")[3:5] == ([5], [3, 7])  # given values win
-    assert set(plan("--variants", "all")[0]) == set(composition.VARIANTS)
+    assert set(plan("--variants", "all")[0]) == set(composition_variants.VARIANTS)
