@@ -11,6 +11,7 @@ from accelerate.state import AcceleratorState
 from data.indexed import IndexedShards
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import PrecomputedShards, load_manifest
+from data.sources import Source
 from data.stream import Reader, make_stream, reader_fingerprint
 from data.synthetic import write_synthetic_shards
 from imba.training.config import load_config
@@ -77,7 +78,7 @@ def test_the_stream_is_built_from_the_data_settings_in_one_call(shards, tmp_path
 def test_a_resume_whose_data_changed_says_so_in_one_line(shards, tmp_path, capsys):
     accelerator = Accelerator(cpu=True)
     loader = make_stream(load_config(["data.resolution=32", "data.batch_size=4"]).data, accelerator,
-                         [type("S", (), {"urls": shards})()], seed=0, samples_done=0, manifest=None,
+                         [Source("a", shards)], seed=0, samples_done=0, manifest=None,
                          bucket_divisor=16, plan_folder=tmp_path).loader
     recorded = check_data(accelerator, loader, None)  # a fresh run: nothing to compare with
     assert recorded == IndexedShards(shards, 32).fingerprint() and capsys.readouterr().out == ""
