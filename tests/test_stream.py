@@ -14,6 +14,7 @@ from data.precomputed import PrecomputedShards, load_manifest
 from data.sources import Source
 from data.stream import Reader, make_stream, reader_fingerprint
 from data.synthetic import write_synthetic_shards
+from data.weighted import WeightedOrder
 from imba.training.config import load_config
 from imba.training.inputs import check_data, training_sources
 
@@ -73,6 +74,43 @@ def test_the_stream_is_built_from_the_data_settings_in_one_call(shards, tmp_path
     assert stream.epoch == pytest.approx(30 / 20)  # the weighted stream: its position in epochs of the plan
     assert (tmp_path / "data").is_dir()  # the plan, computed by the main process into its folder
     assert reader_fingerprint(stream.loader) == IndexedShards(shards, 32).fingerprint()
+
+
+def test_a_given_order_replaces_the_plans_and_the_plans_order_gets_the_seed_and_the_shard_window(shards, tmp_path):
+    accelerator = Accelerator(cpu=True)
+    cfg = load_config(["data.resolution=32", "data.batch_size=4", f"data.shards={os.path.dirname(shards[0])}",
+                       "data.balance=temperature", "data.shard_window=2", "train.seed=9",
+                       f"train.output_dir={tmp_path}"])
+    sources = training_sources(cfg, accelerator, tmp_path)
+
+    def stream(**given):
+        keywords = dict(seed=9, samples_done=8, manifest=None, bucket_divisor=16, plan_folder=tmp_path / "data")
+        return make_stream(cfg.data, accelerator, sources, **(keywords | given))
+
+    planned = stream().loader.sampler.order
+    assert (planned.seed, planned.window, list(planned.shard_starts)) == (9, 2, [0, 8, 16, 20])
+    given = WeightedOrder(planned.units, planned.samples_per_epoch, seed=5)  # another order of the same draws
+    made = stream(order=given, samples_done=30)
+    assert made.loader.sampler.order is given and made.epoch == pytest.approx(30 / 20)
+    assert list(next(iter(made.loader))["indices"]) == list(given.samples(range(30, 34)))
+
+
+def test_precomputed_features_are_read_by_their_reader_in_threads_alike(shards, tmp_path):
+    settings = PrecomputeSettings(vae="tiny", text_encoder="tiny-words", resolution=32)
+    precompute_shards(shards, tmp_path / "features", settings, batch_size=8)
+    features = sorted(str(p) for p in (tmp_path / "features").glob("*.tar"))
+    manifest = load_manifest(features)
+    accelerator = Accelerator(cpu=True)
+    first = {}
+    for threads in (0, 2):
+        d = load_config(["data.resolution=32", "data.batch_size=4", f"data.loader_threads={threads}"]).data
+        made = make_stream(d, accelerator, [Source("f", features)], seed=0, samples_done=4, manifest=manifest,
+                           bucket_divisor=16, plan_folder=tmp_path)
+        batch = next(iter(made.loader))
+        assert made.batches_done == 1 and "latent_moments" in batch
+        first.setdefault("keys", batch["keys"])
+        assert batch["keys"] == first["keys"]
+    assert isinstance(made.loader.dataset, PrecomputedShards)
 
 
 def test_a_resume_whose_data_changed_says_so_in_one_line(shards, tmp_path, capsys):
