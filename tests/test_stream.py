@@ -1,6 +1,7 @@
 """The data stream of a run (data/stream.py): its readers behind one protocol (length, sample i, fingerprint), the
 stream built from the data settings by one call, and the line a resume prints when its data changed under it."""
 
+import contextlib
 import os
 import shutil
 
@@ -125,3 +126,56 @@ def test_a_resume_whose_data_changed_says_so_in_one_line(shards, tmp_path, capsy
     out = capsys.readouterr().out
     assert out.startswith("data: the shards or how their samples are decoded changed since the checkpoint")
     assert out.count("\n") == 1
+
+
+def test_the_other_ranks_wait_for_the_plan_the_main_process_writes(shards, tmp_path, monkeypatch):
+    import data.stream as stream
+
+    d = load_config(["data.resolution=32", "data.balance=temperature", "data.epoch_samples=30"]).data
+    sources = [Source("a", shards)]
+
+    class Rank:
+        def __init__(self, index):
+            self.process_index, self.num_processes, self.is_main_process = index, 2, index == 0
+            self.waited = 0
+
+        def main_process_first(self):
+            return contextlib.nullcontext()
+
+        def wait_for_everyone(self):
+            self.waited += 1
+
+    written = []
+
+    def sleep(seconds):  # while rank 1 polls, the main process writes the plan
+        assert seconds == stream.PLAN_POLL_S
+        written.append(stream.draw_plan(d, Rank(0), sources, tmp_path / "data"))
+
+    monkeypatch.setattr(stream.time, "sleep", sleep)
+    other = Rank(1)
+    plan, index, mix = stream.draw_plan(d, other, sources, tmp_path / "data")
+    assert len(written) == 1 and other.waited == 1
+    assert plan.report["fingerprint"] == written[0][0].report["fingerprint"] and mix.samples_per_epoch == 30
+    assert len(index) == 20
+
+
+def test_a_position_inside_a_global_batch_starts_the_uniform_order_at_that_batch(shards, tmp_path):
+    d = load_config(["data.resolution=32", "data.batch_size=4"]).data
+    made = make_stream(d, Accelerator(cpu=True), [Source("a", shards)], seed=0, samples_done=10, manifest=None,
+                       bucket_divisor=16, plan_folder=tmp_path)
+    assert made.batches_done == 2 and isinstance(made.batches_done, int)
+
+
+def test_a_streamed_loader_has_no_reader_to_fingerprint(shards, tmp_path):
+    d = load_config(["data.resolution=32", "data.batch_size=4", "data.mode=streaming"]).data
+    made = make_stream(d, Accelerator(cpu=True), [Source("a", shards)], seed=0, samples_done=0, manifest=None,
+                       bucket_divisor=16, plan_folder=tmp_path)
+    assert reader_fingerprint(made.loader) is None and made.epoch is None
+
+
+def test_captions_are_read_by_several_processes_only_for_a_large_set():
+    from data.stream import caption_workers
+
+    sized = lambda n: type("Index", (), {"__len__": lambda self: n})()  # noqa: E731
+    assert caption_workers(sized(200_000)) == 1
+    assert caption_workers(sized(200_001)) == min(8, os.cpu_count() or 1)
