@@ -109,6 +109,7 @@ def test_precomputed_features_are_read_by_their_reader_in_threads_alike(shards, 
                            bucket_divisor=16, plan_folder=tmp_path)
         batch = next(iter(made.loader))
         assert made.batches_done == 1 and "latent_moments" in batch
+        assert (type(made.loader._loader).__name__ == "_ThreadedBatches") == bool(threads)  # the threads asked for
         first.setdefault("keys", batch["keys"])
         assert batch["keys"] == first["keys"]
     assert isinstance(made.loader.dataset, PrecomputedShards)
