@@ -4,9 +4,11 @@
       sources:
         - {name: web, shards: "/data/web/{000000..000999}.tar", share: 0.7}
         - {name: curated, shards: "/data/curated/*.tar", share: 0.3}
+        - {kind: synthetic, name: shapes, samples: 500, share: 0.1}
 
-A source is a shard spec (anything `data.urls.expand_urls` takes: brace pattern, glob, folder) of image shards or of
-precompute outputs, with a `share` of the draws, a `repeat` factor, or a number of draws to `choose`:
+A source is one kind of `SourceKind` (`kind`, default `shards`: a shard spec, anything `data.urls.expand_urls`
+takes, of image shards or of precompute outputs; `synthetic`: the project's shapes, written once) with a `share` of
+the draws, a `repeat` factor, or a number of draws to `choose`:
 - share: the source gives that fraction of every epoch's draws (shares are normalised to sum to 1). An epoch is
   data.epoch_samples draws, by default as many as the sources hold samples together.
 - repeat: each of the source's samples is drawn that many times per epoch on average (0.5: half of them; 3: three
