@@ -176,3 +176,21 @@ def test_the_draw_log_names_each_micro_batch_and_refuses_a_batch_without_indices
         log.add(2, {"keys": ["a", "b"]})
     with pytest.raises(ConfigError, match="data.record_draws=true needs indexed reading"):
         load_config(["data.record_draws=true", "data.mode=streaming"])
+
+
+def test_continuing_the_stream_says_a_changed_batch_and_counts_on_in_this_runs_units(capsys):
+    from imba.training.resume import ResumePlan, continue_stream
+
+    accelerator = Accelerator(cpu=True)
+    fresh = TrainState(world_size=1)
+    assert continue_stream(ResumePlan(None, None, 1), accelerator, fresh, 8) == StreamPosition(0, 0)
+    assert (fresh.world_size, fresh.samples, fresh.samples_per_step) == (1, 0, 8) and capsys.readouterr().out == ""
+    recorded = TrainState()
+    recorded.load_state_dict({"step": 5, "world_size": 2, "samples": 40, "samples_per_step": 8})
+    assert continue_stream(ResumePlan(None, None, 2), accelerator, recorded, 4) == StreamPosition(5, 40)
+    assert "the global batch changes from 8 to 4" in capsys.readouterr().out
+    assert (recorded.world_size, recorded.samples, recorded.samples_per_step) == (1, 40, 4)
+    older = TrainState()  # a checkpoint of 2 processes that records no position: 2 x this run's 4 a step
+    older.load_state_dict({"step": 3, "world_size": 2})
+    assert continue_stream(ResumePlan(None, None, 2), accelerator, older, 4) == StreamPosition(3, 24, recorded=False)
+    assert "from 8 to 4" in capsys.readouterr().out and older.samples == 24
