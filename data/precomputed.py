@@ -23,13 +23,11 @@ Versions: 1 stores float16/bfloat16 states; 2 adds the int8 states, so that a re
 refuses them in one line instead of misreading them.
 
 Reading. `make_precomputed_loader` is `data.indexed.make_indexed_loader` over the precomputed shards (the same
-index, the same (seed, epoch)-pure order and `IndexedBatchSampler`, so exact resume from `batches_done` and equal
-batches per rank hold unchanged). Its batches carry the stored bytes, packed: float16 latent moments and the valid
-tokens' states in their stored dtype (`PrecomputedShards.get_batch`); `unpack_batch` (which
-`PrecomputedFeatures.encode_batch` calls) widens them to the training dtype and pads them on the training device,
-so the loader workers and the host-to-device copy move a sample's stored size, not its padded float32 size
-(2.7x less for 90 of 120 float16 tokens, 5.3x for int8). Reading imports neither models/ nor
-diffusers/transformers; only the writing side loads the encoders (lazily, via models/).
+index, order and `IndexedBatchSampler`: exact resume and equal batches per rank hold unchanged). Its batches carry
+the stored bytes, packed (`PrecomputedShards.get_batch`); `unpack_batch` (called by `PrecomputedFeatures.encode_batch`)
+widens and pads them on the training device, so the loader workers and the host-to-device copy move a sample's
+stored size, not its padded float32 size. Reading imports neither models/ nor diffusers/transformers; only the
+writing side loads the encoders (lazily, via models/).
 """
 
 from __future__ import annotations
@@ -194,10 +192,9 @@ def load_manifest(where: str | os.PathLike | Sequence[str]) -> dict[str, Any]:
     path = _manifest_path(where)
     manifest = read_remote_json(path) if is_indexable_remote(path) else read_json_object(path)
     if manifest is None or manifest.get("__kind__") != FORMAT_KIND:
-        raise FileNotFoundError(
-            f"no precompute manifest at {path}: the folder is not precomputed, or its precompute did not finish "
-            f"(run `python -m data.precompute IN_SHARDS {os.path.dirname(path)} ...` again: it completes it)"
-        )
+        raise FileNotFoundError(f"no precompute manifest at {path}: the folder is not precomputed, or its precompute "
+                                f"did not finish (run `python -m data.precompute IN_SHARDS {os.path.dirname(path)} "
+                                "...` again: it completes it)")
     version, text_dtype = manifest.get("version"), manifest.get("text_dtype")
     if version not in READABLE_VERSIONS:
         raise ValueError(f"{path} is precompute format version {version}, this code reads versions "

@@ -422,9 +422,8 @@ KIND_SETTINGS: dict[str, dict[str, type]] = {**Config.KINDS, **{
     for name, registry in getattr(kind, "KINDS", {}).items()}}
 _FIXED = {section: kind for section, kind in _SECTIONS.items() if section not in Config.KINDS}  # one dataclass
 # every list of kinds (data.sources): dotted key → {kind: dataclass}
-ITEM_KIND_SETTINGS: dict[str, dict[str, type]] = {
-    f"{section}.{name}": registry for section, kind in _SECTIONS.items()
-    for name, registry in getattr(kind, "ITEM_KINDS", {}).items()}
+ITEM_KIND_SETTINGS: dict[str, dict[str, type]] = {f"{section}.{name}": registry for section, kind in _SECTIONS.items()
+                                                  for name, registry in getattr(kind, "ITEM_KINDS", {}).items()}
 
 # Every section's choices and ranges under their dotted keys (a range written wrongly fails here, at import)
 CHOICES = {f"{section}.{name}": allowed for section, kind in _FIXED.items()
@@ -451,9 +450,8 @@ def setting(cfg, key: str):
 
 
 def _kind_settings(cfg: Config) -> list[tuple[str, Any, dict[str, dict[str, _Range]]]]:
-    """(dotted key, value, the ranges of its kinds' settings by "key.setting") of every kind setting and of every
-    item of a list of kinds, e.g. ("data.balance", TemperatureBalance(alpha=0.5), KIND_RANGES) and
-    ("data.sources[1]", SyntheticSource(...), ITEM_KIND_RANGES)."""
+    """(dotted key, value, its kinds' ranges) of every kind setting and list item, e.g. ("data.balance",
+    TemperatureBalance(alpha=0.5), KIND_RANGES), ("data.sources[1]", SyntheticSource(...), ITEM_KIND_RANGES)."""
     found = [(key, setting(cfg, key), KIND_RANGES) for key in KIND_SETTINGS]
     for key in ITEM_KIND_SETTINGS:
         found += [(f"{key}[{i}]", item, ITEM_KIND_RANGES) for i, item in enumerate(setting(cfg, key))]
@@ -510,11 +508,9 @@ def _kind_lines(key: str, default, registry: dict[str, type]) -> list[str]:
     """--help's lines of a kind setting (`default`: its default value) or of a list of kinds (`default`: a list):
     its kind, then each kind's settings."""
     items = isinstance(default, list)
-    if items:
-        lines = [f"  {key:<34} {'list':<10} default {written(as_data(default))}; each item a kind, default "
-                 f"{next(iter(registry))}, one of {', '.join(registry)}"]
-    else:
-        lines = [f"  {key:<34} {'kind':<10} default {default.KIND}, one of {', '.join(registry)}"]
+    head = (f"{'list':<10} default {written(as_data(default))}; each item a kind, default {next(iter(registry))},"
+            if items else f"{'kind':<10} default {default.KIND},")
+    lines = [f"  {key:<34} {head} one of {', '.join(registry)}"]
     ranges, prefix = (ITEM_KIND_RANGES, f"{key}[]") if items else (KIND_RANGES, key)
     # the items' kinds share their weights: listed once
     shared = set.intersection(*({f.name for f in dataclasses.fields(r)} for r in registry.values())) if items else set()
@@ -548,8 +544,8 @@ def help_text() -> str:
         for f in dataclasses.fields(kind):
             key, hint = f"{section}.{f.name}", hints[f.name]
             default = getattr(getattr(defaults, section), f.name)
-            if key in KIND_SETTINGS or key in ITEM_KIND_SETTINGS:
-                lines += _kind_lines(key, default, {**KIND_SETTINGS, **ITEM_KIND_SETTINGS}[key])
+            if registry := {**KIND_SETTINGS, **ITEM_KIND_SETTINGS}.get(key):
+                lines += _kind_lines(key, default, registry)
                 continue
             type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
             line = f"  {key:<34} {type_name:<10} default {written(default)}"
