@@ -109,6 +109,7 @@ from composition_variants import (BALANCE_EVERY, DEFAULT_PER_PAIR, DEFAULT_SEEDS
                                   is_stream_control, objective_of, relative_cost, train_lengths)
 
 from data.online_balance import FACTOR_ONE  # noqa: E402
+from imba.loss import token_distance  # noqa: E402
 
 # the run's protocol, equal for every variant
 PATCH = 4
@@ -185,8 +186,6 @@ class OnlineSceneBalance:
         self.weighted, self.num_train_timesteps = weighted, num_train_timesteps
 
     def micro_batch(self, step: int, batch: dict, stats, predict, noised, null) -> None:
-        from imba.loss import token_distance
-
         k = imba_rows(len(batch["chosen"]))
         with torch.no_grad():
             uncond = predict(noised.noisy[:k], noised.timesteps[:k], null[0][:k], null[1][:k])

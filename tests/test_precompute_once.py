@@ -60,3 +60,19 @@ def test_precompute_refuses_what_it_cannot_serve(tmp_path):
     features = precompute_once(cfg, accelerator, tmp_path / "run", images, "train")
     with pytest.raises(ConfigError, match="already holds precomputed features"):
         precompute_once(cfg, accelerator, tmp_path / "again", features, "train")
+
+
+def test_each_source_is_encoded_into_a_folder_of_its_own_and_one_source_into_train(tmp_path):
+    from data.sources import Source
+    from imba.training.inputs import precompute_sources
+
+    a = write_synthetic_shards(tmp_path / "a", num_samples=4, samples_per_shard=4, resolution=64, seed=1)
+    b = write_synthetic_shards(tmp_path / "b", num_samples=3, samples_per_shard=4, resolution=64, seed=2)
+    cfg, accelerator = load_config(RUN), Accelerator(cpu=True)
+    two = precompute_sources(cfg, accelerator, tmp_path / "run", [Source("web/x", a, share=0.5), Source("b", b)])
+    assert [s.name for s in two] == ["web/x", "b"] and two[0].share == 0.5
+    assert [os.path.dirname(s.urls[0]) for s in two] == [str(tmp_path / "run" / "features" / "train-0-web_x"),
+                                                        str(tmp_path / "run" / "features" / "train-1-b")]
+    assert load_manifest(two[1].urls)["samples"] == 3
+    (one,) = precompute_sources(cfg, accelerator, tmp_path / "run", [Source("a", a)])
+    assert os.path.dirname(one.urls[0]) == str(tmp_path / "run" / "features" / "train")

@@ -180,3 +180,25 @@ def test_captions_are_read_by_several_processes_only_for_a_large_set():
     sized = lambda n: type("Index", (), {"__len__": lambda self: n})()  # noqa: E731
     assert caption_workers(sized(200_000)) == 1
     assert caption_workers(sized(200_001)) == min(8, os.cpu_count() or 1)
+
+
+def test_the_runs_online_balancer_reads_its_entries_once_and_the_loader_draws_its_order(shards, tmp_path, capsys):
+    from imba.training.inputs import make_loader, online_balancer
+    from imba.training.resume import StreamPosition
+
+    accelerator = Accelerator(cpu=True)
+    cfg = load_config(["data.resolution=32", "data.batch_size=4", f"data.shards={os.path.dirname(shards[0])}",
+                       "data.balance=imba", "data.balance.every=2", f"train.output_dir={tmp_path}", "train.seed=3"])
+    sources = training_sources(cfg, accelerator, tmp_path)
+    assert online_balancer(load_config(["data.resolution=32"]), accelerator, sources, 4, 1000) is None  # offline
+    balancer = online_balancer(cfg, accelerator, sources, patch_size=4, num_train_timesteps=1000)
+    assert (tmp_path / "data" / "entries.npz").is_file() and balancer.every == 2
+    assert "concepts and combinations (weights in effect" in capsys.readouterr().out
+    loader = make_loader(cfg, accelerator, sources, StreamPosition(3, 12), None, bucket_divisor=16, balancer=balancer)
+    assert loader.sampler.order is balancer.order and loader.sampler.samples_done == 12
+    assert "the stream continues after 12 samples" in capsys.readouterr().out
+    first = next(iter(loader))["indices"]
+    assert list(first) == list(balancer.order.samples(range(12, 16)))
+    uniform = load_config(["data.resolution=32", "data.batch_size=4", f"data.shards={os.path.dirname(shards[0])}"])
+    make_loader(uniform, accelerator, sources, StreamPosition(2, 8), None, bucket_divisor=16)
+    assert "each rank continues after 2 batches of 4" in capsys.readouterr().out
