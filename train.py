@@ -23,6 +23,7 @@ from data.skips import reader_stats
 from data.stream import all_shards
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
+from imba.training.clock import LoopClock
 from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest, run_predict
 from imba.training.ema import make_ema
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> int:
     # under ZeRO-3 every forward pass is a collective: every rank must run the same passes
     loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=zero3,
                                   num_processes=accelerator.num_processes)
-    optimizer, lr_scheduler = build_optimizer(cfg, dit.parameters(), accelerator.num_processes)
+    optimizer, lr_scheduler = build_optimizer(cfg, dit.parameters(), accelerator.num_processes, device)
     apply_speed_settings(dit, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
 
     # ---- checkpoint state and resume ------------------------------------------------------------------------
@@ -99,12 +100,12 @@ def main(argv: list[str]) -> int:
     register_state(accelerator, ema, state, loss_fn, hooks.checkpointed())
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
-    global_batch = cfg.global_batch(accelerator.num_processes)  # samples per step
-    accelerator.print(f"batch: {global_batch} samples a step ({cfg.data.batch_size} per process × "
+    clock = LoopClock(cfg, accelerator.num_processes, state)  # micro-batches → steps, stream position, log/save/stop
+    accelerator.print(f"batch: {clock.global_batch} samples a step ({cfg.data.batch_size} per process × "
                       f"{cfg.train.grad_accum} accumulation steps × {accelerator.num_processes} processes); text "
                       f"encoder {cfg.model.text_encoder} ({cfg.model.max_text_tokens} tokens), VAE {cfg.model.vae}")
     # the samples of the global stream consumed so far: counted step by step, whatever the earlier process counts
-    position = continue_stream(resume, accelerator, state, global_batch)
+    position = continue_stream(resume, accelerator, state, clock.global_batch)
 
     # ---- data ------------------------------------------------------------------------------------------------
     # the loader continues at that position (weighted stream: the same draws on any process count)
@@ -121,7 +122,7 @@ def main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run.config)
     accelerator.init_trackers("imba-dit", config=flat_dict(cfg), init_kwargs={"wandb": {"dir": str(out)}})
-    log = StepLog(accelerator, run.metrics, state.step, cfg.train.max_steps, global_batch, data_stats)
+    log = StepLog(accelerator, run.metrics, state.step, cfg.train.max_steps, clock.global_batch, data_stats)
     if cfg.data.record_draws:  # the sample indices each rank trains on
         hooks.add(DrawLog(run.draw_log(accelerator.process_index), state.step))
     hooks.add(ConceptBuckets(bucketer))  # the IMBA monitor per concept bucket
@@ -142,19 +143,18 @@ def main(argv: list[str]) -> int:
     train_step = TrainStep(accelerator, wrapped, optimizer, lr_scheduler, loss_fn, predict_fn, hooks, guard,
                            cfg.optim.grad_clip)
 
-    while state.step < cfg.train.max_steps:
+    while clock.running:
         batch = next(batches)
         latents, cond = features.encode_batch(batch, device)
         noised = objective.noise(latents)
         # loss, hooks, backward; at an accumulation's end: clip, the guard's decision, optimizer and schedule steps
-        stats, skip = train_step(state.step + 1, batch, noised, cond, features.null_like(latents.shape[0]))
+        stats, skip = train_step(clock.next_step, batch, noised, cond, features.null_like(latents.shape[0]))
         window.add(stats)
-        if not accelerator.sync_gradients:
+        if (end := clock.micro_batch_done(accelerator.sync_gradients, skip)) is None:
             continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
 
-        state.advance(global_batch)
         log.advance()
-        step, last = state.step, state.step == cfg.train.max_steps
+        step, last = end.step, end.last
         for line in hooks.step_end(step):  # e.g. the online balance's new weights, in effect a few steps on
             accelerator.print(line)
         if skip:
@@ -164,13 +164,11 @@ def main(argv: list[str]) -> int:
             ema.step(dit.parameters())
         with log.paused():
             val = hooks.evaluate(step, dit, ema)  # e.g. the EMA on the fixed held-out set, every train.val_every
-        if step % cfg.train.log_every == 0 or last or val:
+        if end.log or val:
             log.write(step, reduce_over_ranks(accelerator, window.means() | hooks.means()) | val | {
                 "lr": lr_scheduler.get_last_lr()[0], "ema_decay": ema.cur_decay_value, "nonfinite_steps": guard.skipped})
         preempted = preemption.should_stop(accelerator) and not last
-        # no periodic checkpoint of a skipped step: the run may be diverging, and rotation would drop good ones
-        periodic = cfg.train.save_every and step % cfg.train.save_every == 0 and not skip
-        saving = preempted or last or periodic
+        saving = end.saving(preempted)
         if diverged := guard.divergence(saving, dit, ema):  # nothing of it is saved
             accelerator.print(f"error: {diverged_message(diverged, step, newest_intact(checkpoint_root))}")
             return finish(DIVERGED_EXIT_CODE)

@@ -7,14 +7,16 @@ rank in this process, resumed from the previous segment's saved counters as trai
 import json
 
 import pytest
+import torch
 from accelerate import Accelerator
 
 from data.synthetic import write_synthetic_shards
 from imba.training.checkpoints import TrainState
+from imba.training.clock import LoopClock
 from imba.training.config import ConfigError, load_config
 from imba.training.inputs import make_loader, training_sources
 from imba.training.metrics import DrawLog, JsonlLogger
-from imba.training.resume import StreamPosition, global_batch_change, stream_position
+from imba.training.resume import ResumePlan, StreamPosition, continue_stream, global_batch_change, stream_position
 from imba.training.run_folder import RunFolder
 
 # 24 samples: every segment below starts the plain order at a whole global batch of its process count, and an epoch
@@ -51,8 +53,9 @@ def rank_loader(cfg, sources, position, rank, world):
 def run(shards, tmp_path, stream, segments, recorded=True):
     """The sample indices a run in `segments` [(processes, grad_accum, batch_size, steps)] trains on, in the order
     of the global stream (per micro-batch, ranks in order), and the lines its resumes print. Each segment after the
-    first resumes from the counters the previous one saved; `recorded=False`: from a checkpoint that does not record
-    the data position (written before it was recorded)."""
+    first resumes from the counters the previous one saved, through the trainer's own bookkeeping: `continue_stream`
+    places the stream and the loop's clock counts the micro-batches accelerate's accumulation makes into steps.
+    `recorded=False`: from a checkpoint that does not record the data position (written before it was recorded)."""
     state, saved_world, drawn, said = TrainState(), None, [], []
     for world, accum, batch, steps in segments:
         cfg = load_config([*settings(shards, tmp_path, stream), f"data.batch_size={batch}",
@@ -64,17 +67,28 @@ def run(shards, tmp_path, stream, segments, recorded=True):
                 del saved["samples"], saved["samples_per_step"]
             state = TrainState()
             state.load_state_dict(saved)
-        global_batch = world * accum * batch
-        unrecorded = global_batch // world * (saved_world or world)  # as train.py
-        said.append(global_batch_change(state, unrecorded, global_batch))
-        position = stream_position(state, unrecorded)
-        state.samples, state.samples_per_step, state.world_size = position.samples, global_batch, world
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+        lines = []
+        accelerator.print = lines.append
+        clock = LoopClock(cfg, world, state)
+        accelerator.state.num_processes = world  # continue_stream sees this run's process count
+        try:
+            position = continue_stream(ResumePlan(None, None, saved_world or world), accelerator, state,
+                                       clock.global_batch)
+        finally:
+            accelerator.state.num_processes = 1
+        said.append(lines[0] if lines else None)
         loaders = [rank_loader(cfg, sources, position, rank, world) for rank in range(world)]
-        for _ in range(steps):
-            for _ in range(accum):
-                for loader in loaders:
-                    drawn += next(loader)["indices"]
-            state.advance(global_batch)
+        # accelerate keeps the accumulation in a state all accelerators share: this run's, made after the loaders'
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+        module = torch.nn.Linear(1, 1)
+        for _ in range(steps * accum):
+            for loader in loaders:
+                drawn += next(loader)["indices"]
+            with accelerator.accumulate(module):  # as TrainStep: accelerate decides where a step ends
+                pass
+            clock.micro_batch_done(accelerator.sync_gradients, skipped=False)
+        assert state.step == sum(s for *_, s in segments[:segments.index((world, accum, batch, steps)) + 1])
         saved_world = world
     return drawn, said
 
@@ -92,6 +106,8 @@ SEQUENCES = {
     # the global batch kept at 4 by the accumulation while the process count moves
     "grad-accum": [(2, 1, 2, 2), (1, 2, 2, 2), (2, 1, 2, 1)],
     "batch-size": [(1, 1, 4, 2), (2, 1, 2, 2), (1, 1, 3, 2)],
+    # three processes with three accumulation steps, then two processes without
+    "3x3-2": [(1, 1, 2, 2), (3, 3, 1, 1), (2, 1, 2, 2)],
 }
 # the plain order is one global stream where every segment starts at a whole global batch of its processes
 PLAIN = ["2-1-2", "grad-accum"]
