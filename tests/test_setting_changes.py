@@ -3,40 +3,99 @@ the data position are refused in one line naming each setting and both values; s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
+import typing
 from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
 
 from imba.training.checkpoints import CONFIG_FILE
-from data.settings import BALANCE_RULES
-from imba.loss_settings import LOSS_SETTINGS
-from imba.training.config import ConfigError, dump_config, flat_dict, load_config
-from imba.training.setting_changes import BREAKING, SAFE, check_resumed_settings, compare_settings
+from imba.training.config import Config, ConfigError, dump_config, load_config
+from imba.training.setting_changes import (ALLOWED, NOTED, REFUSED, VERDICTS, check_resumed_settings, compare_settings,
+                                           judge)
 from tests.test_checkpoints import TinyRun
 
 REPO = Path(__file__).resolve().parents[1]
 
+R, A, N = REFUSED, ALLOWED, NOTED
+# Every setting's verdict on resume, written out one by one: a setting added to the config without a line here fails
+# test_every_setting_has_its_pinned_verdict, and a verdict changed in the module fails it too.
+EXPECTED = {
+    "model.preset": R, "model.pretrained": R, "model.pretrained_subfolder": R, "model.pipeline": R,
+    "model.text_encoder": R, "model.text_encoder_subfolder": R, "model.tokenizer_subfolder": R,
+    "model.max_text_tokens": R, "model.vae": R, "model.vae_subfolder": R, "model.encoder_dtype": N,
+    "model.lora_rank": R, "model.lora_alpha": R, "model.lora_targets": R,
+    "data.shards": R, "data.mode": R, "data.cache_dir": A, "data.cache_limit": A,
+    "data.store_timeout": A, "data.store_attempts": A, "data.max_bad_shards": A,
+    "data.shard_window": R,  # which shards are read together: the order the saved position counts in
+    "data.resolution": R, "data.batch_size": N, "data.num_workers": N, "data.loader_threads": N,
+    "data.shuffle_buffer": R, "data.caption_field": R, "data.min_size": R, "data.bucketing": R, "data.precompute": R,
+    "data.synthetic_samples": R, "data.synthetic_dir": R, "data.val_shards": A, "data.val_samples": A,
+    "data.sources": R, "data.epoch_samples": R, "data.record_draws": A,
+    "data.balance.kind": R, "data.balance.alpha": R, "data.balance.cap": R, "data.balance.every": R,
+    "data.balance.fraction": R, "data.balance.groups": R, "data.balance.max_factor": R, "data.balance.rate": R,
+    "loss.kind": R, "loss.min_snr_gamma": R, "loss.lam": R, "loss.gamma": R, "loss.distance": R,
+    "loss.reference": R, "loss.normalize": R, "loss.estimator": R,
+    "objective.kind": R, "objective.logit_mean": R, "objective.logit_std": R, "objective.shift": R,
+    "objective.beta_schedule": R, "objective.beta_start": R, "objective.beta_end": R,
+    # the optimizer's and the EMA's saved state carry these and would override a new value: refused, not ignored
+    "optim.lr": R, "optim.weight_decay": R, "optim.adam_beta1": R, "optim.adam_beta2": R, "optim.adam_eps": R,
+    "optim.ema_decay": R, "optim.warmup_steps": N, "optim.grad_clip": N,
+    "speed.attention": A, "speed.gradient_checkpointing": A, "speed.compile": A, "speed.tf32": A,
+    "sample.prompts": A, "sample.guidance_scale": A, "sample.steps": A, "sample.seed": A,
+    "train.output_dir": A, "train.max_steps": A, "train.grad_accum": N,
+    "train.mixed_precision": N,  # between no and bf16; to or from fp16 refused (below)
+    "train.seed": R, "train.log_every": A, "train.save_every": A, "train.keep_checkpoints": A,
+    "train.sample_every": A, "train.val_every": A, "train.resume": A, "train.max_bad_steps": A, "train.trackers": A,
+    "train.concept_stats": A,  # without a balance; with one it is the vocabulary the draws count by (below)
+}
 
-def test_every_setting_is_judged_and_every_pattern_names_a_setting():
-    kinds = [f"data.balance={kind}" for kind in BALANCE_RULES] + [f"loss={kind}" for kind in LOSS_SETTINGS]
-    given = {"data.balance=cap": ["data.balance.cap=1"]}  # a setting without a valid default
-    keys = list(dict.fromkeys(k for kind in kinds for k in flat_dict(load_config([kind, *given.get(kind, [])]))))
-    assert "data.balance.every" in keys and "data.balance.cap" in keys and "loss.gamma" in keys
-    unjudged = [k for k in keys if not any(fnmatchcase(k, p) for p in (*SAFE, *BREAKING))]
-    assert unjudged == []
-    for pattern in (*SAFE, *BREAKING):
-        assert any(fnmatchcase(k, pattern) for k in keys), pattern
+
+def config_keys() -> list[str]:
+    """Every setting's dotted key, walked from the config's dataclasses: each section's fields, each kind's settings
+    (loss, objective, data.balance) and its `kind`; a list of kinds (data.sources) is one setting."""
+    sections = typing.get_type_hints(Config)
+    keys = []
+    for section in dataclasses.fields(Config):
+        name = section.name
+        if name in Config.KINDS:
+            keys += [f"{name}.kind", *(f"{name}.{f.name}" for kind in Config.KINDS[name].values()
+                                       for f in dataclasses.fields(kind))]
+            continue
+        cls = sections[name]
+        for f in dataclasses.fields(cls):
+            key = f"{name}.{f.name}"
+            if f.name in getattr(cls, "KINDS", {}):
+                keys += [f"{key}.kind", *(f"{key}.{g.name}" for kind in cls.KINDS[f.name].values()
+                                          for g in dataclasses.fields(kind))]
+            else:
+                keys.append(key)
+    return list(dict.fromkeys(keys))
+
+
+def test_every_setting_has_its_pinned_verdict():
+    keys = config_keys()
+    assert "data.balance.every" in keys and "loss.gamma" in keys and "data.shard_window" in keys
+    assert sorted(set(keys) - set(EXPECTED)) == [], "a new setting: judge it in VERDICTS and pin it in EXPECTED"
+    assert sorted(set(EXPECTED) - set(keys)) == [], "EXPECTED names a setting the config no longer has"
+    default = load_config([])
+    judged = {key: judge(key, default, default) for key in keys}
+    assert {k: v for k, (v, _) in judged.items() if v != EXPECTED[k]} == {}
+    assert [k for k, (_, why) in judged.items() if why == "not known to be safe"] == []  # each by its own entry
+    for pattern in VERDICTS:
+        assert any(fnmatchcase(k, pattern) for k in keys), f"VERDICTS entry {pattern} names no setting"
 
 
 @pytest.mark.parametrize("change", [
     "train.max_steps=9000", "train.save_every=7", "train.val_every=3", "train.output_dir=elsewhere",
-    "data.batch_size=16", "train.grad_accum=2", "data.num_workers=4", "data.val_samples=8", "optim.lr=0.0001",
-    "optim.warmup_steps=0", "speed.compile=true", "sample.steps=4", "model.pretrained=some/export",
-    "train.mixed_precision=bf16", "train.trackers=none", "data.record_draws=true",
+    "data.batch_size=16", "train.grad_accum=2", "data.num_workers=4", "data.val_samples=8", "optim.grad_clip=0.5",
+    "optim.warmup_steps=0", "speed.compile=true", "sample.steps=4", "data.cache_dir=/elsewhere",
+    "data.cache_limit=5GB", "train.mixed_precision=bf16", "train.trackers=none", "data.record_draws=true",
+    "model.encoder_dtype=bfloat16", "train.concept_stats=none",
 ])
 def test_safe_changes_are_allowed_and_named(change):
     key, value = change.split("=", 1)
@@ -51,7 +110,8 @@ def test_safe_changes_are_allowed_and_named(change):
     "data.balance.alpha=0.3", "data.balance.every=5", "data.min_size=64", "data.shuffle_buffer=10",
     "data.caption_field=text",
     "data.synthetic_samples=100", "data.bucketing=true", "data.precompute=false", "data.epoch_samples=10",
-    "train.mixed_precision=fp16",
+    "train.mixed_precision=fp16", "data.shard_window=4", "model.pretrained=some/export", "optim.lr=0.0001",
+    "optim.weight_decay=0", "optim.adam_beta2=0.99", "optim.ema_decay=0.99",
 ])
 def test_changes_that_break_the_state_or_the_position_are_refused(change):
     key = change.split("=", 1)[0]
@@ -92,7 +152,7 @@ def test_allowed_changes_are_one_line_and_no_change_says_nothing(tmp_path):
     checkpoint = checkpoint_with(tmp_path, ["data.batch_size=8", "train.max_steps=100"])
     line = check_resumed_settings(load_config(["data.batch_size=16", "train.max_steps=200"]), checkpoint)
     assert line == ("resuming with changed settings: data.batch_size 8 -> 16 (the stream continues at the samples "
-                    "consumed); train.max_steps 100 -> 200 (how long the run goes on)")
+                    "consumed; the global batch changes); train.max_steps 100 -> 200 (how long the run goes on)")
     assert check_resumed_settings(load_config(["data.batch_size=8", "train.max_steps=100"]), checkpoint) is None
 
 
@@ -122,11 +182,26 @@ def test_train_py_refuses_a_changed_preset_before_any_work_and_writes_nothing(tm
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # no synthetic set, features or config.yaml
 
 
-def test_a_setting_in_neither_table_counts_as_unsafe():
-    from imba.training.setting_changes import _judge
+def test_a_setting_without_a_verdict_is_refused():
+    default = load_config([])
+    assert judge("train.a_setting_added_later", default, default) == (REFUSED, "not known to be safe")
 
-    safe, _ = _judge("train.a_setting_added_later", 1, 2)
-    assert safe is False
+
+def test_the_vocabulary_is_refused_where_the_balance_counts_by_it_and_allowed_where_it_only_logs():
+    balanced = ["sample.prompts=[a red circle]", "data.balance=temperature"]
+    refused, allowed = compare_settings(load_config(balanced), load_config([*balanced, "train.concept_stats=c.json"]))
+    assert allowed == [] and refused == ["train.concept_stats auto -> c.json (the data stream the position counts in "
+                                         "(data.balance counts the captions' entries by its vocabulary))"]
+    refused, allowed = compare_settings(load_config([]), load_config(["train.concept_stats=c.json"]))
+    assert refused == [] and allowed == ["train.concept_stats auto -> c.json (what it logs (refused where data.balance "
+                                         "counts by its vocabulary))"]
+
+
+def test_a_refused_optimizer_setting_says_the_checkpoint_would_override_it():
+    refused, _ = compare_settings(load_config([]), load_config(["optim.lr=0.0001", "optim.ema_decay=0.99"]))
+    assert refused == [
+        "optim.lr 0.002 -> 0.0001 (restored from the checkpoint's optimizer and schedule state, which would override "
+        "it)", "optim.ema_decay 0.999 -> 0.99 (restored from the checkpoint's EMA state, which would override it)"]
 
 
 def test_prompts_left_to_auto_take_the_checkpoints_and_given_prompts_are_kept(tmp_path):
