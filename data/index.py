@@ -12,8 +12,10 @@ by every reader; `imba-index-<hash>.json` lists the shards in the wids shard-lis
 size and mtime are unchanged is not rescanned; changed shards are rescanned and a new index is written (atomically:
 ranks building the same index at the same time write identical files). Reading sample i is one `pread` of its span,
 parsed as a small tar (`parse_sample`). Shards must be uncompressed tar files: local ones, or s3://, gs://, http(s)://
-ones (`data.remote`), which are scanned from their download into the shard cache, fingerprinted by size and ETag
-instead of mtime, indexed in the cache's `index/` folder, and read from the cache.
+ones (`data.remote`), which are scanned from their download into the shard cache, fingerprinted by size, ETag and
+the checksum of the bytes scanned instead of mtime (every later download is checked against it), indexed in the
+cache's `index/` folder, and read from the cache. When the store does not answer at start, shards whose complete
+copy in the cache has the indexed checksum are read from it; only those neither cached nor reachable are skipped.
 
 A truncated or corrupt tar keeps the samples before the damage (noted in the index as the shard's "error", counted
 when a loader is built); a shard that cannot be opened at indexing time contributes no samples (and is rescanned
@@ -37,7 +39,7 @@ from PIL import Image
 from .files import atomic_write, read_json_object, write_json
 from .images import IMAGE_EXTENSIONS
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD
-from .remote import ShardCache, is_indexable_remote, stat as remote_stat
+from .remote import RemoteReadError, ShardCache, StoreUnreachable, checksum as remote_checksum, is_indexable_remote
 from .tars import split_key_ext, walk_tar_buffer
 from .urls import expand_urls, is_pipe
 
@@ -172,24 +174,33 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _stat(path: str) -> dict[str, Any]:
+def _stat(path: str, cache: ShardCache | None) -> dict[str, Any]:
     """What identifies this version of a shard: size and mtime of a local file; size and ETag of a remote one."""
     if is_indexable_remote(path):
-        return remote_stat(path)
+        return cache.stat(path)
     st = os.stat(path)
     return {"filesize": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _unchanged(entry: dict[str, Any] | None, stat: dict[str, Any]) -> bool:
-    """Whether a cached index entry was made from this version of its shard."""
-    return entry is not None and all(entry.get(k) == v for k, v in stat.items())
+    """Whether a cached index entry was made from this version of its shard (a remote one: with its checksum)."""
+    return (entry is not None and all(entry.get(k) == v for k, v in stat.items())
+            and ("etag" not in stat or bool(entry.get("checksum"))))
 
 
-def _stats(paths: list[str]) -> dict[str, dict[str, Any] | OSError]:
-    """`_stat` of every shard (remote ones asked in parallel: one request each); an OSError where it failed."""
-    def one(path: str) -> dict[str, Any] | OSError:
+def _stats(paths: list[str], cache: ShardCache | None) -> dict[str, dict[str, Any] | OSError | StoreUnreachable]:
+    """`_stat` of every shard (remote ones asked in parallel: one request each); the error where it failed. Once
+    one request found the store unreachable, the shards not asked yet are not asked (the same error)."""
+    dead: list[StoreUnreachable] = []
+
+    def one(path: str) -> dict[str, Any] | OSError | StoreUnreachable:
+        if dead and is_indexable_remote(path):
+            return dead[0]
         try:
-            return _stat(path)
+            return _stat(path, cache)
+        except StoreUnreachable as exn:
+            dead.append(exn)
+            return exn
         except OSError as exn:
             return exn
 
@@ -197,6 +208,26 @@ def _stats(paths: list[str]) -> dict[str, dict[str, Any] | OSError]:
     with ThreadPoolExecutor(16) as pool:
         found = dict(zip(remote, pool.map(one, remote)))
     return {p: found[p] if p in found else one(p) for p in paths}
+
+
+def _cached_copies(paths: list[str], stats: dict[str, Any], cached: dict[str, dict],
+                   cache: ShardCache | None) -> dict[str, dict[str, Any]]:
+    """url -> fingerprint of the remote shards the store did not answer for whose complete copy in the cache has the
+    checksum of the stored index: they are read from there (said in one line)."""
+    down = [p for p in paths if isinstance(stats[p], (StoreUnreachable, RemoteReadError))]
+    found = {}
+    for path in down:
+        entry = cached.get(path)
+        if not entry or not entry.get("checksum") or entry.get("error"):
+            continue
+        fingerprint = {k: entry[k] for k in ("filesize", "etag", "checksum")}
+        if cache.cached(path, fingerprint) and remote_checksum(cache._name(path, fingerprint)) == entry["checksum"]:
+            found[path] = {k: entry[k] for k in ("filesize", "etag")}
+    if down:
+        log.warning("data: the store did not answer for %d of %d shards (%s); %d of them read from their complete "
+                    "copies in %s, whose checksums match the index%s", len(down), len(paths), str(stats[down[0]])[:200],
+                    len(found), cache.folder, "" if len(found) == len(down) else "; the others are skipped")
+    return found
 
 
 def _default_cache_dir() -> str:
@@ -236,9 +267,9 @@ class ShardIndex:
 
     def identity(self) -> list[list]:
         """What the index was made from, shard by shard: URL, samples, size and modification time (a local file) or
-        ETag (a remote one). Another list means other samples may sit at the same index."""
-        return [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")] + ([s["etag"]] if "etag" in s else [])
-                for s in self.shardlist]
+        ETag and checksum (a remote one). Another list means other samples may sit at the same index."""
+        return [[s["url"], s["nsamples"], s.get("filesize"), s.get("mtime_ns")]
+                + ([s["etag"], s.get("checksum", "")] if "etag" in s else []) for s in self.shardlist]
 
     @property
     def table(self) -> np.ndarray:
@@ -270,7 +301,7 @@ class ShardIndex:
         entry = self.shardlist[shard]
         if not is_indexable_remote(entry["url"]):
             return os.open(entry["url"], os.O_RDONLY)
-        return self.cache.open(entry["url"], {"filesize": entry["filesize"], "etag": entry["etag"]})
+        return self.cache.open(entry["url"], {k: entry[k] for k in ("filesize", "etag", "checksum")})
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -359,14 +390,19 @@ def load_or_build_index(
         if cached:
             break
 
-    stats = _stats(paths)
+    stats = _stats(paths, cache)
+    from_cache = _cached_copies(paths, stats, cached, cache)
     # remote shards to scan: downloaded and scanned in parallel (a store serves several requests at once)
-    remote_todo = [p for p in paths if is_indexable_remote(p) and not isinstance(stats[p], OSError)
+    remote_todo = [p for p in paths if is_indexable_remote(p) and isinstance(stats[p], dict)
                    and not _unchanged(cached.get(p), stats[p])]
 
-    def scan_remote(path: str) -> tuple[np.ndarray, str | None] | OSError:
+    def scan_remote(path: str) -> tuple[np.ndarray, str | None, str] | OSError:
         try:
-            return _scan_tar(cache.open(path, stats[path]), name=path)
+            fd = cache.open(path, stats[path])
+            try:
+                return (*_scan_tar(os.dup(fd), name=path), cache.checksum(path, stats[path], fd))
+            finally:
+                os.close(fd)
         except OSError as exn:
             return exn
 
@@ -377,19 +413,22 @@ def load_or_build_index(
     rescanned: list[str] = []
     for path in paths:
         try:
-            stat = stats[path]
-            if isinstance(stat, OSError):
-                raise stat
+            stat = from_cache.get(path, stats[path])
+            if isinstance(stat, (OSError, StoreUnreachable)):
+                raise RemoteReadError(str(stat)) if isinstance(stat, StoreUnreachable) else stat
             entry = cached.get(path)
             if _unchanged(entry, stat):
                 spans = np.asarray(entry["spans"])
                 note = entry.get("error")
+                stat = {**stat, **({"checksum": entry["checksum"]} if entry.get("checksum") else {})}
             else:
                 rescanned.append(path)
                 scanned = remote_scans[path] if path in remote_scans else _scan_tar(path)
                 if isinstance(scanned, OSError):
                     raise scanned
-                spans, note = scanned
+                spans, note = scanned[:2]
+                if len(scanned) == 3:
+                    stat = {**stat, "checksum": scanned[2]}
                 if note is not None:
                     log.warning("shard %s: %s (%s); using the %d samples before the damage", path, CORRUPT_TAR,
                                 note[:200], len(spans))
@@ -405,6 +444,9 @@ def load_or_build_index(
         shardlist.append(item)
         parts.append(spans)
 
+    dead = [s for s in stats.values() if isinstance(s, StoreUnreachable)]
+    if dead and not any(s["nsamples"] for s in shardlist):
+        raise dead[0]  # the store is down and nothing is in the cache: its one line, not the shard format's
     total = sum(s["nsamples"] for s in shardlist)
     if total == 0:
         raise ValueError(

@@ -39,12 +39,12 @@ from .buckets import assign_buckets, bucket_sizes
 from .decode import DecodeSamples, collate as collate_samples
 from .index import ShardIndex, load_or_build_index, parse_sample
 from .order import BucketBatchSampler, IndexedBatchSampler
-from .remote import RemoteReadError, ShardCache, is_indexable_remote
+from .remote import DEFAULT_BUDGET, RemoteReadError, ShardCache, is_indexable_remote, raised_line
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples, ReaderStats, counts_since, too_small_advice
 from .streaming import check_loader_args
 from .weighted import StreamBatchSampler, WeightedBucketSampler
 
-__all__ = ["IndexedShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "check_stream",
+__all__ = ["IndexedShards", "TooManyBadShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "check_stream",
            "make_indexed_loader"]
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,13 @@ REMOTE_RETRY_AFTER_S = 60.0  # a remote shard that could not be fetched is skipp
 # --------------------------------------------------------------------------------------------------------------
 # Random access to decoded samples
 # --------------------------------------------------------------------------------------------------------------
+
+
+class TooManyBadShards(NoUsableSamples):
+    """More than data.max_bad_shards of the shards could not be read (at indexing or at reading time)."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(raised_line(str(message), type(self)))
 
 
 class IndexedShards(torch.utils.data.Dataset):
@@ -98,6 +105,11 @@ class IndexedShards(torch.utils.data.Dataset):
         self._known_bad: set[int] = set()
         self._bad_shards: set[int] = set()  # could not be opened in this process: all their samples are skipped
         self._retry_at: dict[int, float] = {}  # remote shards that could not be fetched: when to ask again
+        # shards that could not be read, at indexing or here: more than max_bad_shards of them stops the reader
+        self._failed = {i for i, e in enumerate(self.index.shardlist) if str(e.get("error", "")).startswith(
+            UNREADABLE_SHARD)}
+        budget = (cache if cache is not None else self.index.cache or DEFAULT_BUDGET)
+        self.max_bad_shards = getattr(budget, "budget", budget).max_bad_shards
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -177,6 +189,12 @@ class IndexedShards(torch.utils.data.Dataset):
                 self._retry_at[shard] = time.monotonic() + REMOTE_RETRY_AFTER_S
             self.stats.count(UNREADABLE_SHARD, f"skipping shard {url}: {UNREADABLE_SHARD} ({exn})", shard=True)
             self.stats.failed(f"{UNREADABLE_SHARD} {url}")
+            self._failed.add(shard)
+            shards = len(self.index.urls)
+            if len(self._failed) > self.max_bad_shards * shards:
+                raise TooManyBadShards(f"{len(self._failed)} of the {shards} shards of {self.stats.where} could not "
+                                       f"be read (more than data.max_bad_shards={self.max_bad_shards:g}), the last "
+                                       f"{url}: {str(exn)[:200]}; check the store and the shards") from exn
             return None
         try:
             raw = self.raw(i)

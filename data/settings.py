@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from .balance import BalanceRule, CapBalance, NoBalance, TemperatureBalance
 from .online_balance import ImbaBalance
-from .remote import ShardCache, parse_size
+from .remote import ShardCache, StoreBudget, parse_size
 from .sources import ShardsSource, SourceKind, SyntheticSource, check_source_configs
 
 # data.balance's kinds: a rule is its settings' dataclass (data/balance.py's BalanceRule), registered here by its KIND
@@ -33,6 +33,13 @@ class DataConfig:
     # from here. None = ~/.cache/imba-dit/shards
     cache_dir: str | None = None
     cache_limit: str = "0"
+    # reading a shard on object storage: a store that answers nothing (refused, reset, timed out) for this many
+    # seconds is dead, and the run ends with one line, after a checkpoint, with the requeue exit status; a request the
+    # store answers with an error is tried store_attempts times, then the shard is skipped as unreadable
+    store_timeout: float = 120.0
+    store_attempts: int = 5
+    # the run stops with one line when more than this share of its shards could not be read (1 = never)
+    max_bad_shards: float = 0.5
     # > 0: the indexed order (plain, or weighted by data.sources and an offline data.balance) reads this many shards
     # at a time (shards shuffled, then the draws within each window of them), so a cache smaller than the set
     # downloads each shard about once an epoch; 0 = one shuffle over all samples
@@ -93,6 +100,9 @@ class DataConfig:
         "val_samples": ">= 1",
         "epoch_samples": ">= 0 (0 = the samples of the sources)",
         "shard_window": ">= 0 (0 = one shuffle over all samples)",
+        "store_timeout": "> 0",
+        "store_attempts": ">= 1",
+        "max_bad_shards": "in [0, 1]",
     }
 
     def synthetic(self) -> bool:
@@ -112,8 +122,10 @@ class DataConfig:
         return bool(self.sources) or not isinstance(self.balance, NoBalance)
 
     def cache(self) -> ShardCache:
-        """The local cache remote shards are read through (data.cache_dir, data.cache_limit)."""
-        return ShardCache(self.cache_dir, self.cache_limit)
+        """The local cache remote shards are read through (data.cache_dir, data.cache_limit), within the store's
+        budget (data.store_timeout, data.store_attempts; data.max_bad_shards, which the readers apply)."""
+        return ShardCache(self.cache_dir, self.cache_limit, StoreBudget(self.store_timeout, self.store_attempts,
+                                                                          self.max_bad_shards))
 
     def decoding(self) -> dict:
         """What turns a shard's record into a training sample, as keywords of `data.loaders.build_loader` and

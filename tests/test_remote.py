@@ -118,10 +118,11 @@ def test_a_cache_smaller_than_the_set_evicts_the_least_recent_and_still_reads_th
 
 @pytest.mark.parametrize("store", ["s3", "http"])
 def test_dropped_requests_are_retried_without_changing_a_batch(local, s3, tmp_path, caplog, monkeypatch, store):
-    # the first 12 requests to each shard fail: more than the clients' own retries absorb, fewer than ours; then a
-    # share of 0.3 fails, which fails a request for good with odds 0.3^10 (one in 170,000)
-    monkeypatch.setattr(remote, "RETRIES", 10)
-    caplog.set_level(logging.INFO, logger="data.remote")
+    # the first 12 requests to each shard fail: more than the clients' own retries would absorb, fewer than ours;
+    # then a share of 0.3 fails. S3 answers 503 (an error answer: 40 attempts fail a read for good with odds below
+    # 0.3^25), the HTTP server closes the connection unanswered (retried until the deadline)
+    budget = remote.StoreBudget(timeout_s=120, attempts=40)
+    caplog.set_level(logging.WARNING, logger="data.remote")
     if store == "s3":
         urls, faults, server = s3.upload("shards", "flaky", local), s3.faults, None
     else:
@@ -129,13 +130,14 @@ def test_dropped_requests_are_retried_without_changing_a_batch(local, s3, tmp_pa
         urls, faults = [f"{server.url}/{os.path.basename(p)}" for p in local], server.faults
     faults.drop, faults.first = 0.3, 12
     try:
-        loader, got = batches(urls, ShardCache(tmp_path / "cache"))
+        loader, got = batches(urls, ShardCache(tmp_path / "cache", budget=budget))
     finally:
         if server is not None:
             server.close()
     assert same(got, batches(local)[1])
     assert faults.dropped > 0 and loader.stats.bad_total == 0 and loader.stats.shard_errors == 0
-    assert "attempt 1 of 10; retrying" in caplog.text
+    retried = "(1 of 40 error answers)" if store == "s3" else "(no answer; "
+    assert f"attempt 1 {retried}" in caplog.text and "retrying in" in caplog.text
 
 
 def test_a_shard_the_store_never_gives_is_a_counted_skip_then_asked_again(local, s3, tmp_path, monkeypatch):
@@ -167,7 +169,7 @@ def test_a_shard_replaced_in_place_is_refused_then_reindexed(local, s3, tmp_path
     for entry in os.scandir(cache.folder):  # a copy of the old version still in the cache would be read: it is
         if entry.is_file():                 # what the old index describes; without it the store is asked
             os.remove(entry.path)
-    with pytest.raises(ShardChanged, match="changed since it was indexed.*restart the run to re-index it"):
+    with pytest.raises(ShardChanged, match="changed since indexed.*restart to re-index"):
         first.open(2)  # the old index never reads the new bytes
     loader, got = batches(first, n=8)
     assert loader.stats.shards_bad == {UNREADABLE_SHARD: 1}
@@ -266,34 +268,103 @@ def test_precomputed_features_on_the_store_read_like_the_local_ones(local, s3, t
     assert remote.read_json("s3://features/odd/precompute.json")["__kind__"] == here["__kind__"]
 
 
-def test_requests_are_retried_with_doubling_waits_and_fail_in_one_line(monkeypatch, caplog):
-    waits = []
-    monkeypatch.setattr(remote.time, "sleep", waits.append)
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.2)
-    monkeypatch.setattr(remote, "BACKOFF_MAX_S", 1.0)
+class Clock:
+    """time.monotonic and time.sleep of a clock that moves only when slept on, or by `call_s` per request."""
+
+    def __init__(self, call_s: float = 0.0):
+        self.now, self.waits, self.call_s = 1000.0, [], call_s
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(round(seconds, 6))
+        self.now += seconds
+
+
+def failing(clock, errors, then="ok"):
+    """A request that raises `errors` in turn (each after clock.call_s), then returns `then`; its calls counted."""
     calls = []
 
-    def flaky(fails):
-        def call():
-            calls.append(1)
-            if len(calls) <= fails:
-                raise ConnectionResetError("peer went away")
-            return "ok"
-        return call
+    def call():
+        calls.append(1)
+        clock.now += clock.call_s
+        if len(calls) <= len(errors):
+            raise errors[len(calls) - 1]
+        return then
+    return call, calls
 
-    caplog.set_level(logging.INFO, logger="data.remote")
-    assert remote._retried("stat s3://b/x.tar", flaky(4)) == "ok" and len(calls) == 5
-    assert waits == [0.2, 0.4, 0.8, 1.0]  # doubled, at most BACKOFF_MAX_S
-    assert "stat s3://b/x.tar failed (ConnectionResetError), attempt 2 of 5; retrying in 0.4 s" in caplog.text
-    calls.clear()
+
+def test_a_read_tries_error_answers_by_attempts_and_silence_until_the_deadline(monkeypatch, caplog):
+    clock = Clock()
+    monkeypatch.setattr(remote.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(remote.time, "sleep", clock.sleep)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.2)
+    monkeypatch.setattr(remote, "BACKOFF_MAX_S", 1.0)
+    budget = remote.StoreBudget(timeout_s=3.0, attempts=4)
+    caplog.set_level(logging.WARNING, logger="data.remote")
+    # error answers (503) count against the attempts: the 4th fails the read, the shard is skipped
+    call, calls = failing(clock, [OSError("503 SlowDown")] * 9)
     with pytest.raises(remote.RemoteReadError) as failed:
-        remote._retried("download s3://b/x.tar", flaky(5))
-    assert len(calls) == 5
-    assert str(failed.value) == "download s3://b/x.tar: ConnectionResetError: peer went away (after 5 attempts)"
-    calls.clear()
-    with pytest.raises(PermissionError):  # a refusal does not change: asked once
-        remote._retried("stat", lambda: calls.append(1) or (_ for _ in ()).throw(PermissionError("denied")))
-    assert len(calls) == 1
+        remote._retried("download s3://b/x.tar", call, budget, "s3://b/x.tar")
+    assert len(calls) == 4 and clock.waits == [0.2, 0.4, 0.8]
+    assert str(failed.value) == "download s3://b/x.tar: OSError: 503 SlowDown (after 4 attempts)"
+    assert "download s3://b/x.tar failed (OSError: 503 SlowDown), attempt 3 (3 of 4 error answers); retrying in " \
+           "0.8 s" in caplog.text and all(r.levelno == logging.WARNING for r in caplog.records)
+    # no answer (refused): tried past the attempts until the deadline, waits doubled up to BACKOFF_MAX_S and cut
+    # to the deadline, then one line naming the store
+    clock.waits.clear()
+    start = clock.now
+    call, calls = failing(clock, [ConnectionRefusedError("refused")] * 99)
+    with pytest.raises(remote.StoreUnreachable) as dead:
+        remote._retried("stat s3://b/x.tar", call, budget, "s3://b/x.tar")
+    assert clock.waits == [0.2, 0.4, 0.8, 1.0, 0.6] and clock.now - start == pytest.approx(3.0) and len(calls) == 6
+    assert str(dead.value) == ("s3://b/x.tar: store unreachable for 3 s (stat s3://b/x.tar: ConnectionRefusedError: "
+                               "refused; 6 attempts)")
+    assert "(no answer; 1 s left of data.store_timeout=3); retrying in 0.6 s" in caplog.text
+    # a hung connection: each try lasts the client's read timeout; the read ends within the deadline plus one
+    hang = Clock(call_s=budget.request_timeout_s)
+    monkeypatch.setattr(remote.time, "monotonic", hang.monotonic)
+    monkeypatch.setattr(remote.time, "sleep", hang.sleep)
+    call, calls = failing(hang, [TimeoutError()] * 99)
+    with pytest.raises(remote.StoreUnreachable, match=r"^s3://b/x.tar: store unreachable for 3 s \(read"):
+        remote._retried("read s3://b/x.tar", call, budget, "s3://b/x.tar")
+    assert 3.0 <= hang.now - 1000.0 <= budget.timeout_s + budget.request_timeout_s and budget.request_timeout_s == 1
+    # the clients' own types, as fsspec's HTTP client wraps them (a FileNotFoundError from a dropped connection)
+    import aiohttp
+    from botocore.exceptions import EndpointConnectionError
+
+    wrapped = FileNotFoundError("http://h/a.tar")
+    wrapped.__cause__ = aiohttp.ServerDisconnectedError()
+    assert remote._no_answer(wrapped) and remote._no_answer(EndpointConnectionError(endpoint_url="http://h"))
+    assert not remote._no_answer(FileNotFoundError("404")) and not remote._no_answer(PermissionError("403"))
+    # a read that recovers returns; a refusal, a changed shard, a missing client are asked once
+    call, calls = failing(hang, [ConnectionResetError("reset"), OSError("500")])
+    assert remote._retried("stat", call, budget) == "ok" and len(calls) == 3
+    for error in (PermissionError("denied"), remote.ShardChanged("changed"), ImportError("no s3fs")):
+        call, calls = failing(hang, [error])
+        with pytest.raises(type(error)):
+            remote._retried("stat", call, budget)
+        assert len(calls) == 1
+    with pytest.raises(ValueError, match="need data.store_timeout > 0"):
+        remote.StoreBudget(timeout_s=0)
+
+
+def test_a_dead_store_raised_in_a_loader_worker_reads_as_its_one_line_in_the_main_process():
+    from torch._utils import ExceptionWrapper
+
+    from data.indexed import TooManyBadShards
+
+    for kind, line in ((remote.StoreUnreachable, "s3://b/x.tar: store unreachable for 3 s (stat: refused; 6 "
+                                                 "attempts)"),
+                       (TooManyBadShards, "3 of the 4 shards of 4 shards could not be read")):
+        try:
+            raise kind(line)
+        except kind:
+            wrapper = ExceptionWrapper(where="in DataLoader worker process 0")
+        with pytest.raises(kind) as raised:
+            wrapper.reraise()  # what the DataLoader's main process does with a worker's exception
+        assert str(raised.value) == line
 
 
 def test_fingerprints_cache_places_and_client_errors_say_what_they_are(monkeypatch, tmp_path):
@@ -336,7 +407,8 @@ def test_the_cache_evicts_the_least_recently_used_counts_its_downloads_and_keeps
     assert cache.path(urls[0], prints[0]) == a  # ... until it is read again: then b is the least recent
     c = cache.path(urls[2], prints[2])
     assert sorted(os.listdir(cache.folder)) == sorted(
-        [os.path.basename(p) for p in (a, c, live)] + [os.path.basename(p) + ".lock" for p in (a, b, c)])
+        [os.path.basename(p) for p in (a, c, live)] + [os.path.basename(p) + ".lock" for p in (a, b, c)]
+        + [".cache.lock"])  # the node's lock around reservations and evictions
     assert (cache.downloads, cache.bytes_downloaded) == (3, sum(p["filesize"] for p in prints))
     assert cache.cached(urls[0], prints[0]) and not cache.cached(urls[1], prints[1])
     ShardCache(cache.folder).evict()  # no limit: nothing goes
@@ -364,7 +436,8 @@ def test_a_copy_evicted_between_its_download_and_its_open_is_fetched_again(local
     real_open, opened = os.open, []
 
     def evicted_once(path, flags, *args):
-        if path.startswith(cache.folder) and not opened:  # another process evicts it right after the download
+        if path.startswith(cache.folder) and ".part-" not in path and not opened:  # another process evicts it
+            # right after the download
             opened.append(path)
             os.remove(path)
         return real_open(path, flags, *args)
