@@ -16,7 +16,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
+from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
+
+if __name__ == "__main__":  # --help and a config that does not load are answered before torch and diffusers load
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(help_text())
+        sys.exit(0)
+    try:
+        if sys.argv[1:2] != ["--export"]:
+            load_config(sys.argv[1:])  # loaded again by main(): a few milliseconds
+    except (ConfigError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+
+import torch  # noqa: E402 (from here on: what a run needs beyond its config)
 from accelerate.utils import set_seed
 
 from data.skips import reader_stats
@@ -24,7 +36,6 @@ from data.stream import all_shards
 from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.clock import LoopClock
-from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest, run_predict
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint, export_run
@@ -197,9 +208,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     try:
-        if {"-h", "--help"} & set(sys.argv[1:]):
-            print(help_text())
-            sys.exit(0)
         if sys.argv[1:2] == ["--export"]:  # python train.py --export CHECKPOINT [EXPORT_DIR]
             if len(sys.argv) not in (3, 4):
                 raise ConfigError("usage: python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]")

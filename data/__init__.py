@@ -4,39 +4,26 @@ Never imports imba or train; only the precompute command imports models (it runs
 it passes the synthetic captions' words as the tiny-words tokenizer's vocabulary.
 """
 
-from .buckets import assign_buckets, bucket_sizes, nearest_bucket, resize_to_bucket
-from .decode import sample_caption
-from .images import IMAGE_EXTENSIONS, image_to_tensor, resize_center_crop, to_rgb
-from .index import ShardIndex, load_or_build_index
-from .indexed import IndexedLoader, IndexedShards, make_indexed_loader
-from .order import BucketBatchSampler, IndexedBatchSampler, batches_per_epoch
-from .streaming import make_image_text_loader
-from .synthetic import COLOURS, SAMPLE_PROMPTS, SHAPES, make_sample, write_synthetic_shards
-from .urls import expand_urls
+import importlib
 
-__all__ = [
-    "assign_buckets",
-    "bucket_sizes",
-    "nearest_bucket",
-    "resize_to_bucket",
-    "BucketBatchSampler",
-    "IndexedBatchSampler",
-    "IndexedLoader",
-    "IndexedShards",
-    "ShardIndex",
-    "batches_per_epoch",
-    "load_or_build_index",
-    "make_indexed_loader",
-    "IMAGE_EXTENSIONS",
-    "expand_urls",
-    "image_to_tensor",
-    "make_image_text_loader",
-    "resize_center_crop",
-    "sample_caption",
-    "to_rgb",
-    "COLOURS",
-    "SAMPLE_PROMPTS",
-    "SHAPES",
-    "make_sample",
-    "write_synthetic_shards",
-]
+# name -> the submodule that defines it, imported on first use: reading a run's settings (`data.settings`, and so
+# `train.py --help` and config errors) must not pay for torch and webdataset, which the readers import
+_EXPORTS = {
+    "buckets": ["assign_buckets", "bucket_sizes", "nearest_bucket", "resize_to_bucket"],
+    "decode": ["sample_caption"],
+    "images": ["IMAGE_EXTENSIONS", "image_to_tensor", "resize_center_crop", "to_rgb"],
+    "index": ["ShardIndex", "load_or_build_index"],
+    "indexed": ["IndexedLoader", "IndexedShards", "make_indexed_loader"],
+    "order": ["BucketBatchSampler", "IndexedBatchSampler", "batches_per_epoch"],
+    "streaming": ["make_image_text_loader"],
+    "synthetic": ["COLOURS", "SAMPLE_PROMPTS", "SHAPES", "make_sample", "write_synthetic_shards"],
+    "urls": ["expand_urls"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)

@@ -32,7 +32,6 @@ from typing import Any, Callable, ClassVar, Sequence
 import numpy as np
 
 from .remote import is_indexable_remote
-from .synthetic import write_synthetic_shards
 from .urls import expand_urls, is_pipe
 
 __all__ = ["SourcePlace", "SourceKind", "ShardsSource", "SyntheticSource", "Source", "SourceMix",
@@ -117,6 +116,7 @@ class SyntheticSource(SourceKind):
         write = dict(num_samples=self.samples, resolution=place.resolution,
                      seed=place.seed if self.seed is None else self.seed)
         folder = self.folder or place.folder
+        from .synthetic import write_synthetic_shards  # webdataset brings torch: not needed to read the settings
         if place.is_main:
             write_synthetic_shards(folder, progress=True, **write)
         place.wait()

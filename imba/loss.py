@@ -28,19 +28,10 @@ from typing import Callable, Union
 
 import torch
 
+from imba.choices import DISTANCES, NORMALIZATIONS, REFERENCES, LossSettingError
+
 GRANULARITIES = ("token", "sample")
-DISTANCES = ("mse", "l1", "l2")
-REFERENCES = ("target", "cond")
-NORMALIZATIONS = ("none", "batch_mean", "timestep_mean")
 STATE_FILE = "imba_loss.pt"  # the loss's file in an accelerate checkpoint folder (`IMBALoss.checkpoint_with`)
-
-
-class LossSettingError(ValueError):
-    """A loss setting outside what it accepts; `setting` names it, `problem` says what it must be."""
-
-    def __init__(self, setting: str, problem: str) -> None:
-        super().__init__(f"IMBALoss: {setting} {problem}")
-        self.setting, self.problem = setting, problem
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -463,7 +454,9 @@ class IMBALoss:
             "loss_cond_weighted": loss_cond,
             # every row has an unconditional prediction (with or without grad): the mean over all is the estimate
             "loss_uncond": uncond_term.detach().mean(),
-            "loss_cond_plain": cond_err.detach()[keep if keep is not None else slice(None)].mean(),
+            # a masked mean, not cond_err[keep]: selecting the rows would wait for the device at every step
+            "loss_cond_plain": (cond_err.detach().mean() if keep is None
+                                else (cond_err.detach() * keep[:, None]).sum() / (keep.sum() * cond_err.shape[1])),
             "weight_mean": valid_weight.mean(),
             "weight_std": valid_weight.std(unbiased=False),
             "weight_max": valid_weight.max(),
@@ -488,11 +481,13 @@ class IMBALoss:
         return torch.rand((batch_size,), generator=generator, device=device) < (1.0 - self.lam)
 
     @staticmethod
-    def efficient_uncond(pred: torch.Tensor, uncond: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    def efficient_uncond(pred: torch.Tensor, uncond: torch.Tensor, drop: torch.Tensor,
+                         kept: torch.Tensor | None = None) -> torch.Tensor:
         """The `pred_uncond` of the efficient form: `pred` on the dropped rows, where it is the unconditional
         prediction with its gradient (those rows had the null caption in `pred`'s pass), and the no-grad
         unconditional prediction `uncond` on the kept rows, where it only sets D. `uncond` holds all B rows or
-        only the kept ones, in order."""
+        only the kept ones, in order; `kept`, the kept rows' indices where the caller has them (finding them
+        again would wait for the device)."""
         b = pred.shape[0]
         if drop.shape != (b,) or drop.dtype != torch.bool:
             raise ValueError(f"IMBALoss: drop must be a bool tensor of shape ({b},), got {drop.dtype} "
@@ -501,7 +496,7 @@ class IMBALoss:
         uncond = uncond.detach().to(pred.dtype)
         if uncond.shape == pred.shape:
             return torch.where(drop.view(-1, *([1] * (pred.dim() - 1))), pred, uncond)
-        kept = (~drop).nonzero(as_tuple=True)[0]
+        kept = (~drop).nonzero(as_tuple=True)[0] if kept is None else kept
         if uncond.shape[1:] != pred.shape[1:] or uncond.shape[0] != kept.numel():
             raise ValueError(f"IMBALoss.efficient_uncond: uncond must hold all {b} rows or the {kept.numel()} kept "
                              f"ones, each of shape {tuple(pred.shape[1:])}; got {tuple(uncond.shape)}")

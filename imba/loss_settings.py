@@ -15,8 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from imba.loss import DISTANCES, NORMALIZATIONS, REFERENCES, LossSettingError
-from imba.training_loss import ESTIMATORS, TrainingLoss
+from imba.choices import DISTANCES, ESTIMATORS, NORMALIZATIONS, REFERENCES, LossSettingError
 
 _SNR_RANGE = {"min_snr_gamma": ">= 0 (0 = off)"}
 
@@ -46,6 +45,8 @@ class LossConfig(abc.ABC):
 
     def check(self) -> None:
         """The loss's own checks (`LossSettingError`), as a one-line ValueError naming the config key."""
+        from imba.training_loss import TrainingLoss  # torch: only once a config is checked, not for --help
+
         try:
             TrainingLoss(**self.kwargs())
         except LossSettingError as err:

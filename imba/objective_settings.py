@@ -15,7 +15,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from imba.objectives import BETA_SCHEDULES, OBJECTIVES
+from imba.choices import BETA_SCHEDULES
+
+
+def _objectives() -> dict:
+    """`imba.objectives.OBJECTIVES`, imported when an objective is built: reading the settings needs no torch."""
+    from imba.objectives import OBJECTIVES
+
+    return OBJECTIVES
 
 
 @dataclass
@@ -33,12 +40,12 @@ class ObjectiveConfig(abc.ABC):
 
     def build(self):
         """The objective these settings describe."""
-        return OBJECTIVES[self.KIND](**self.kwargs())
+        return _objectives()[self.KIND](**self.kwargs())
 
     @property
     def predicts_epsilon(self) -> bool:
         """Whether the DiT predicts the noise ε (what min-SNR weighting, loss.min_snr_gamma, is defined for)."""
-        return OBJECTIVES[self.KIND].predicts_epsilon
+        return _objectives()[self.KIND].predicts_epsilon
 
     @abc.abstractmethod
     def describe(self) -> str:

@@ -35,9 +35,6 @@ class NoisedBatch:
     snr: torch.Tensor | None = None
 
 
-# The beta schedules that both diffusers' DDPMScheduler (training) and DPMSolverMultistepScheduler (sampling, the
-# export's scheduler) implement; DDPMScheduler alone also has "sigmoid".
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 
 class DDPMEpsilon:

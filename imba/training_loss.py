@@ -20,12 +20,12 @@ from typing import Callable
 
 import torch
 
+from imba.choices import ESTIMATORS
 from imba.loss import IMBALoss, LossSettingError, LossStats, plain_loss
 from imba.objectives import NoisedBatch
 
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 LOSS_KINDS = ("imba", "imba_sample", "plain")
-ESTIMATORS = ("literal", "efficient")
 
 
 class TrainingLoss:
@@ -97,14 +97,18 @@ class TrainingLoss:
         # the only pass with gradient: exactly a plain step with caption dropout
         pred = predict(noised.noisy, noised.timesteps, *_null_where_dropped(drop, cond, null))
         pred_uncond = pred
-        kept = (~drop).nonzero(as_tuple=True)[0]
-        if kept.numel() or self.same_passes_on_every_rank:
-            rows = torch.arange(drop.numel(), device=drop.device) if self.same_passes_on_every_rank else kept
-            with torch.no_grad():  # the kept rows' unconditional prediction only sets their weight D
-                uncond = predict(noised.noisy[rows], noised.timesteps[rows], null[0][rows], null[1][rows])
-            uncond_kept = uncond[kept] if self.same_passes_on_every_rank else uncond
-            # pred's dropped rows hold unconditional predictions with their gradient; the kept rows' only set D
-            pred_uncond = self.imba.efficient_uncond(pred, uncond_kept, drop)
+        # the kept rows' unconditional prediction only sets their weight D; pred's dropped rows hold unconditional
+        # predictions with their gradient (`efficient_uncond`)
+        if self.same_passes_on_every_rank:  # every row, so no rank skips a pass; selected by a mask, no host sync
+            with torch.no_grad():
+                uncond = predict(noised.noisy, noised.timesteps, *null)
+            pred_uncond = self.imba.efficient_uncond(pred, uncond, drop)
+        else:  # the kept rows only, (1 − λ)·B rows fewer; finding them waits for the device once
+            kept = (~drop).nonzero(as_tuple=True)[0]
+            if kept.numel():
+                with torch.no_grad():
+                    uncond = predict(noised.noisy[kept], noised.timesteps[kept], null[0][kept], null[1][kept])
+                pred_uncond = self.imba.efficient_uncond(pred, uncond, drop, kept=kept)
         return self.imba(pred, pred_uncond, noised.target, drop=drop, timesteps=noised.timesteps,
                          sample_weights=sample_weights)
 

@@ -69,6 +69,20 @@ def test_train_py_prints_one_line_and_exits_nonzero_on_a_bad_key():
 
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["loss=imba", "loss.gama=0.5"], ["--config", "nowhere.yaml"]])
+def test_train_py_answers_help_and_config_mistakes_before_torch_is_imported(argv):
+    # what a user waits for before the answer: torch and diffusers take seconds, minutes on a busy machine
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['train.py', *{argv!r}]\n"
+            "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit as exit:\n"
+            "    print('exit', exit.code, file=sys.stderr)\n"
+            "print(sorted({'torch', 'diffusers', 'transformers', 'webdataset'} & set(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stderr[-2000:]
+    if argv != ["--help"]:
+        assert "exit error: " in proc.stderr  # the one-line error, from this early answer
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_train_py_help_prints_the_help_text(flag):
     from imba.training.config import help_text

@@ -54,7 +54,8 @@ def test_what_the_sections_name_is_what_the_components_build():
 
 
 def test_the_beta_schedules_are_those_both_diffusers_schedulers_build():
-    from imba.objectives import BETA_SCHEDULES, DDPMEpsilon
+    from imba.choices import BETA_SCHEDULES
+    from imba.objectives import DDPMEpsilon
 
     for name in BETA_SCHEDULES:
         DDPMEpsilon(beta_schedule=name).sampling_scheduler()
