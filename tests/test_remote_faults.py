@@ -1,0 +1,267 @@
+"""Object storage as it fails in the field, through the fault proxy (tests/fault_proxy.py) in front of moto's S3
+server: a dead or hung store ends a read within its deadline with one line, a flipped byte or another object's bytes
+are never read, a restart with the store down reads the complete cached copies, the cache bound holds while the
+index is built, too many unreadable shards stop the reader."""
+
+import itertools
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from data import remote
+from data.index import load_or_build_index
+from data.indexed import IndexedShards, TooManyBadShards, make_indexed_loader
+from data.remote import ShardCache, ShardChanged, StoreBudget, StoreUnreachable
+from data.skips import UNREADABLE_SHARD
+from data.synthetic import write_synthetic_shards
+from fault_proxy import FaultProxy
+from remote_servers import S3Server
+
+RES = 32
+FAST = StoreBudget(timeout_s=1.0, attempts=2)  # a dead store is found in a second
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("faults_local")
+    return write_synthetic_shards(folder, num_samples=24, samples_per_shard=6, resolution=RES, seed=5)
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """(S3 server, the proxy the client goes through)."""
+    server = S3Server()
+    proxy = FaultProxy(server.endpoint)
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    yield server, proxy
+    proxy.close()
+    server.close()
+
+
+def keys_and_pixels(urls, cache=None, n=8, **kw):
+    loader = make_indexed_loader(urls, RES, batch_size=3, seed=11, cache=cache, **kw)
+    return loader, [(b["keys"], b["pixels"]) for b in itertools.islice(loader, n)]
+
+
+def same(a, b):
+    return [k for k, _ in a] == [k for k, _ in b] and all(torch.equal(p, q) for (_, p), (_, q) in zip(a, b))
+
+
+def copies(cache: ShardCache) -> list[str]:
+    return sorted(e.name for e in os.scandir(cache.folder) if e.is_file() and not e.name.endswith(".lock"))
+
+
+def test_a_flipped_byte_is_downloaded_again_and_bytes_never_indexed_are_never_read(local, store, tmp_path, caplog):
+    server, proxy = store
+    urls = server.upload("shards", "flip", local)
+    cache = ShardCache(tmp_path / "cache", limit=1, budget=FAST)  # nothing stays: every read downloads
+    index = load_or_build_index(urls, cache=cache)
+    assert [e["checksum"] for e in index.shardlist] == [remote.checksum(p) for p in local]  # the first pass's
+    name = os.path.basename(local[1])
+    proxy.set("flip", path=name, times=1)  # one spoiled answer: the second download is the indexed bytes
+    caplog.set_level(logging.WARNING, logger="data.remote")
+    _, got = keys_and_pixels(urls, cache)
+    assert same(got, keys_and_pixels(local)[1]) and proxy.spoiled == 1
+    assert f"downloaded bytes with checksum" in caplog.text and "downloading it again" in caplog.text
+    for mode in ("flip", "swap"):  # every answer spoiled, size and ETag unchanged: refused in one line
+        proxy.set(mode, path=name, other=f"/shards/flip/{os.path.basename(local[2])}")
+        with pytest.raises(ShardChanged) as refused:
+            index.open(1)
+        assert str(refused.value) == (f"{urls[1]}: changed since indexed (its bytes are not the ones indexed, "
+                                      f"twice): restart to re-index")
+        assert not any(name in copy for copy in copies(cache))  # never renamed into the cache
+    loader, got = keys_and_pixels(index, n=8)
+    assert loader.stats.shards_bad == {UNREADABLE_SHARD: 1}  # a counted skip, its samples substituted
+    assert not [k for ks, _ in got for k in ks if k.startswith(name[:-4])]
+
+
+def test_the_reader_fingerprint_holds_each_remote_shards_size_etag_and_checksum(local, store, tmp_path):
+    server, _ = store
+    urls = server.upload("shards", "print", local[:2])
+    index = load_or_build_index(urls, cache=ShardCache(tmp_path / "cache", budget=FAST))
+    reader = IndexedShards(index, RES)
+    before = reader.fingerprint()
+    for key, other in (("checksum", "blake2b:00"), ("etag", "another"), ("filesize", 1)):
+        entry = index.shardlist[0]
+        kept = entry[key]
+        entry[key] = other
+        assert reader.fingerprint() != before, f"the reader's fingerprint misses a remote shard's {key}"
+        entry[key] = kept
+    assert reader.fingerprint() == before
+
+
+@pytest.mark.parametrize("extra", [-10, 10])
+def test_a_download_of_another_size_is_never_renamed_into_the_cache(local, store, tmp_path, monkeypatch, extra):
+    server, _ = store
+    url = server.upload("shards", "size", local[:1])[0]
+    fingerprint = remote.stat(url, FAST)
+    real = remote.filesystem
+
+    class OtherSize:  # a store that sends a body of another length than the one it announced
+        def __init__(self, fs):
+            self.fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self.fs, name)
+
+        def get_file(self, path, dest):
+            data = self.fs.cat_file(path)
+            with open(dest, "wb") as f:
+                f.write(data[:extra] if extra < 0 else data + b"\0" * extra)
+
+    monkeypatch.setattr(remote, "filesystem", lambda u, budget=FAST: (OtherSize(real(u, budget)[0]),
+                                                                        real(u, budget)[1]))
+    cache = ShardCache(tmp_path / "cache", budget=FAST)
+    # a short body is a transfer's fault, retried within the budget; a longer one is another object: refused at once
+    with pytest.raises(remote.RemoteReadError if extra < 0 else ShardChanged, match=f"read {20480 + extra} bytes, "
+                                                                                    f"the index has 20480"):
+        cache.path(url, fingerprint)
+    assert copies(cache) == [] and not cache.cached(url, fingerprint)
+
+
+def test_a_restart_with_the_store_down_reads_the_complete_cached_copies(local, store, tmp_path, caplog):
+    server, proxy = store
+    urls = server.upload("shards", "down", local)
+    cache = ShardCache(tmp_path / "cache", budget=FAST)
+    load_or_build_index(urls, cache=cache)  # every shard downloaded once, while the index is built
+    want = keys_and_pixels(local)[1]
+    proxy.set("refuse")
+    caplog.set_level(logging.WARNING)
+    index = load_or_build_index(urls, cache=cache)
+    assert index.rescanned == [] and index.nsamples == [6] * 4
+    assert same(keys_and_pixels(index)[1], want)
+    assert (f"data: the store did not answer for 4 of 4 shards ({urls[0]}: store unreachable for 1 s" in caplog.text
+            and "4 of them read from their complete copies in" in caplog.text)
+    # a copy missing, or whose bytes are not the indexed ones: only those shards are skipped
+    paths = sorted(os.path.join(cache.folder, c) for c in copies(cache))
+    os.remove(next(p for p in paths if p.endswith(os.path.basename(local[0]))))
+    spoiled = next(p for p in paths if p.endswith(os.path.basename(local[3])))
+    data = bytearray(open(spoiled, "rb").read())
+    data[100] ^= 1
+    open(spoiled, "wb").write(bytes(data))
+    index = load_or_build_index(urls, cache=cache)
+    assert index.nsamples == [0, 6, 6, 0] and "2 of them read from their complete copies" in caplog.text
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+    with pytest.raises(StoreUnreachable, match=r"^s3://shards/down/synthetic-00000\d.tar: store unreachable for 1 s "
+                                               r"\(stat .*EndpointConnectionError"):
+        load_or_build_index(urls, cache=cache)  # nothing cached: the store's line, not the shard format's
+
+
+def test_a_dead_store_ends_a_read_within_its_deadline_with_one_line(local, store, tmp_path):
+    server, proxy = store
+    urls = server.upload("shards", "dead", local)
+    cache = ShardCache(tmp_path / "cache", limit=1, budget=FAST)
+    index = load_or_build_index(urls, cache=cache)
+    proxy.set("refuse")
+    with pytest.raises(StoreUnreachable) as dead:
+        keys_and_pixels(index)
+    assert str(dead.value).startswith("s3://shards/dead/synthetic-") and ": store unreachable for 1 s (download " \
+        in str(dead.value) and "\n" not in str(dead.value)
+
+
+def test_more_unreadable_shards_than_data_max_bad_shards_stop_the_reader_in_one_line(local, store, tmp_path):
+    server, proxy = store
+    urls = server.upload("shards", "share", local)
+    cache = ShardCache(tmp_path / "cache", limit=1, budget=StoreBudget(timeout_s=5, attempts=2, max_bad_shards=0.5))
+    index = load_or_build_index(urls, cache=cache)
+    proxy.set("error", path="synthetic-00000")  # the store answers 503 to every request for a shard
+    with pytest.raises(TooManyBadShards, match=r"^3 of the 4 shards of 4 shards \(s3://shards/share/synthetic-"
+                                               r"000000.tar, \.\.\.\) could not be read \(more than "
+                                               r"data.max_bad_shards=0.5\), the last s3://.*; check the store"):
+        keys_and_pixels(index)
+
+
+def test_downloads_reserve_their_size_before_they_start(tmp_path):
+    cache = ShardCache(tmp_path, limit=3000)
+    old, recent = tmp_path / "a-old.tar", tmp_path / "b-recent.tar"
+    for path, when in ((old, 1), (recent, 2)):
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (when, when))
+    other = tmp_path / f"c.tar.part-1000-{os.getpid()}"  # another download in flight, nothing written yet
+    other.write_bytes(b"")
+    assert cache.held() == ([(1, str(old), 1000), (2, str(recent), 1000)], 1000)
+    part = cache._reserve(str(tmp_path / "d.tar"), 1000)  # 2000 held + 1000 in flight + 1000: the oldest goes
+    assert part == str(tmp_path / f"d.tar.part-1000-{os.getpid()}") and os.path.exists(part)
+    assert not old.exists() and recent.exists()
+    # the limit full of downloads in flight: a new one waits for one of them to end
+    done = threading.Event()
+
+    def finish_other():
+        time.sleep(0.2)
+        done.set()
+        other.unlink()
+
+    threading.Thread(target=finish_other).start()
+    cache._reserve(str(tmp_path / "e.tar"), 2000)  # 2000 in flight + 2000 > 3000, with every shard evicted
+    assert done.is_set() and not recent.exists()  # made once the other ended
+    assert sum(size for _, _, size in cache.held()[0]) + cache.held()[1] <= 3000
+    # a dead process's partial file is no reservation: deleted
+    dead = tmp_path / "f.tar.part-1000-999999999"
+    dead.write_bytes(b"")
+    cache.held()
+    assert not dead.exists()
+
+
+@pytest.mark.slow
+def test_a_hung_store_ends_a_loader_with_workers_within_its_deadline_with_one_line(local, store, tmp_path):
+    server, proxy = store
+    urls = server.upload("shards", "hang", local)
+    budget = StoreBudget(timeout_s=3.0, attempts=2)
+    cache = ShardCache(tmp_path / "cache", limit=1, budget=budget)
+    index = load_or_build_index(urls, cache=cache)
+    proxy.set("hang")
+    loader = make_indexed_loader(index, RES, batch_size=3, seed=11, num_workers=2)
+    start = time.monotonic()
+    with pytest.raises(StoreUnreachable) as dead:
+        next(iter(loader))
+    assert time.monotonic() - start < 60, "timed out: the hung store was waited on past its deadline"
+    assert str(dead.value).startswith("s3://shards/hang/synthetic-") and "\n" not in str(dead.value)
+    assert ": store unreachable for 3 s (download " in str(dead.value) and "ReadTimeoutError" in str(dead.value)
+
+
+@pytest.mark.slow
+def test_the_cache_bound_holds_at_every_poll_while_the_index_is_built(tmp_path, monkeypatch):
+    shards = write_synthetic_shards(tmp_path / "set", num_samples=48, samples_per_shard=4, resolution=64, seed=3)
+    server = S3Server()
+    try:
+        for key, value in server.env.items():
+            monkeypatch.setenv(key, value)
+        urls = server.upload("shards", "bound", shards)
+        server.faults.trickle_s = 0.02  # downloads that last, so that the 8 index threads overlap
+        size = os.path.getsize(shards[0])
+        limit = int(2.5 * size)
+        cache = ShardCache(tmp_path / "cache", limit=limit)
+        seen, stop = [], threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                total = 0
+                for entry in os.scandir(cache.folder) if os.path.isdir(cache.folder) else ():
+                    try:
+                        if entry.is_file() and not entry.name.endswith(".lock"):
+                            total += entry.stat().st_size
+                    except FileNotFoundError:
+                        pass
+                seen.append(total)
+                time.sleep(0.002)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            index = load_or_build_index(urls, cache=cache)
+        finally:
+            stop.set()
+            poller.join()
+        assert index.nsamples == [4] * 12 and len(seen) > 50 and max(seen) > 0
+        assert max(seen) <= limit, f"the cache held {max(seen)} bytes, its limit is {limit}"
+    finally:
+        server.close()
