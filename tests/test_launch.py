@@ -40,6 +40,9 @@ EXPECTED = {
     "multi_node.yaml": ("DEEPSPEED", 16, 2, ("launch/deepspeed/zero2.json", 2)),
 }
 
+# a guard against a hang, far beyond what a step takes on a loaded machine; its failure says it timed out
+HANG_S = 300
+
 
 # ---- accelerate configs -------------------------------------------------------------------------------------------
 
@@ -316,7 +319,7 @@ got = []
 signal.signal(signal.SIGUSR1, lambda *_: got.append("USR1"))
 signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))
 open(os.path.join(out, f"ready.{node}"), "w").close()
-deadline = time.monotonic() + 8
+deadline = time.monotonic() + 300  # the test signals within moments; this only ends a forgotten worker
 while not got and time.monotonic() < deadline:
     time.sleep(0.01)
 time.sleep(0.3 if got else 0)  # "finish the step and write the checkpoint": the scripts must wait for it
@@ -353,12 +356,13 @@ def run_sbatch(script: Path, fakes: Path, *args: str, nodes: int = 1, mode: str 
                                 stderr=stderr, text=True, start_new_session=True)
     try:
         if send is not None:
-            deadline = time.monotonic() + 8
+            deadline = time.monotonic() + HANG_S
             while not all((fakes / f"{send_when}.{i}").exists() for i in range(nodes)):
-                assert time.monotonic() < deadline and proc.poll() is None, "fake training did not start"
+                assert proc.poll() is None, "the script exited before the fake training started"
+                assert time.monotonic() < deadline, f"timed out after {HANG_S} s: the fake training never started"
                 time.sleep(0.01)
             proc.send_signal(send)
-        proc.wait(timeout=15)  # the markers are read right after: the script must not exit before the training
+        proc.wait(timeout=HANG_S)  # the markers are read right after: the script must not exit before the training
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # anything the script left behind
@@ -450,12 +454,13 @@ def test_node_launch_alone(fakes):
     proc = subprocess.Popen(["bash", str(SLURM_DIR / "node_launch.sh")], cwd=REPO, env=env, text=True,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + HANG_S
         while not (fakes / "ready.0").exists():
-            assert time.monotonic() < deadline and proc.poll() is None
+            assert proc.poll() is None, "the script exited before the fake training started"
+            assert time.monotonic() < deadline, f"timed out after {HANG_S} s: the fake training never started"
             time.sleep(0.01)
         proc.send_signal(signal.SIGUSR1)
-        proc.communicate(timeout=15)
+        proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
