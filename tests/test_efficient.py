@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from imba import IMBALoss
 from imba.objectives import build_objective
@@ -143,3 +144,52 @@ def test_same_passes_on_every_rank_run_the_no_grad_pass_on_every_row_and_give_th
         assert passes == [(4, True), (4, False)]
         expected, _ = TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
         assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that read a tensor's values on the host (on a GPU, each waits for the device to catch up):
+    nonzero, a scalar read, a selection by a boolean mask."""
+
+    SYNCING = {torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+               torch.ops.aten.is_nonzero.default, torch.ops.aten.masked_select.default}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        indexing = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default,
+                            torch.ops.aten.index_put_.default)
+        by_mask = indexing and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if func in self.SYNCING or by_mask:
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_efficient_loss_reads_the_device_once_for_its_kept_rows_and_never_with_same_passes(setup):
+    dit, noised, cond, null = setup
+    drop = torch.tensor([True, False, True, False])
+    run = lambda loss_fn: loss_fn(lambda *a: predict(dit, *a), noised, cond, null, drop=drop)  # noqa: E731
+    with HostReads() as plain:
+        run(TrainingLoss("plain"))
+    assert plain.ops == []  # the DiT and the plain loss read nothing on the host
+    with HostReads() as kept_rows:
+        run(TrainingLoss("imba", estimator="efficient"))
+    assert kept_rows.ops == ["nonzero.default"]  # which rows the no-grad pass runs on: once, not again
+    with HostReads() as every_row:
+        loss, stats = run(TrainingLoss("imba", estimator="efficient", same_passes_on_every_rank=True))
+    assert every_row.ops == []
+    expected, expected_stats = run(TrainingLoss("imba", estimator="efficient"))
+    assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
+    assert torch.allclose(stats["loss_cond_plain"], expected_stats["loss_cond_plain"], rtol=1e-12, atol=0)
+
+
+def test_the_plain_conditional_error_is_the_mean_over_the_kept_rows(setup):
+    dit, noised, cond, null = setup
+    loss_fn = TrainingLoss("imba", estimator="efficient")
+    for drop in (torch.tensor([True, False, True, False]), torch.tensor([False, False, False, True])):
+        _, stats = loss_fn(lambda *a: predict(dit, *a), noised, cond, null, drop=drop)
+        per_row = stats.tensors["loss_cond_per_sample"]  # NaN on the dropped rows
+        assert torch.allclose(stats["loss_cond_plain"], per_row.nanmean(), rtol=1e-12, atol=0)
+    _, stats = loss_fn(lambda *a: predict(dit, *a), noised, cond, null, drop=torch.ones(B, dtype=torch.bool))
+    assert torch.isnan(stats["loss_cond_plain"])  # no kept row: undefined, as the mean of no rows

@@ -118,11 +118,29 @@ def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank:
                         same_passes_on_every_rank=same_passes_on_every_rank, timestep_reduce=reduce)
 
 
-def build_optimizer(cfg: Config, parameters, num_processes: int):
-    """AdamW over the parameters that train (LoRA: the adapters alone) and its constant-with-warm-up schedule."""
+def adamw_implementation(parameters, device=None) -> dict[str, bool]:
+    """AdamW's kernels for parameters that train on `device` (default: where they are now): `fused` (one kernel
+    for all parameters) on CUDA, `foreach` (a few multi-tensor ops) elsewhere: on the CPU its update is bitwise
+    the per-parameter loop's (torch's CPU default), so CPU runs and their checkpoints are unchanged by it."""
+    devices = {torch.device(device).type} if device is not None else {p.device.type for p in parameters}
+    return {"fused": True} if devices == {"cuda"} else {"foreach": True}
+
+
+def build_optimizer(cfg: Config, parameters, num_processes: int, device=None):
+    """AdamW over the parameters that train (LoRA: the adapters alone) and its constant-with-warm-up schedule.
+    `device`: where they will train (`accelerator.device`, when they are built on the CPU and moved by
+    `accelerator.prepare`); it picks AdamW's kernels (`adamw_implementation`)."""
     o = cfg.optim
-    optimizer = torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=o.lr, weight_decay=o.weight_decay,
-                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    trained = [p for p in parameters if p.requires_grad]
+    kernels = adamw_implementation(trained, device)
+    optimizer = torch.optim.AdamW(trained, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                                  eps=o.adam_eps, **kernels)
+
+    def keep_kernels(opt) -> None:  # a checkpoint's param groups carry the kernels of the machine that wrote it
+        for group in opt.param_groups:
+            group.update({"fused": None, "foreach": None} | kernels)
+
+    optimizer.register_load_state_dict_post_hook(keep_kernels)
     # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=o.warmup_steps * num_processes)
     return optimizer, lr_scheduler

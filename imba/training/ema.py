@@ -18,6 +18,7 @@ of the group size N, and rank r holds elements [r·n, (r+1)·n), n = padded size
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable
 
 import torch
@@ -36,7 +37,13 @@ def is_partitioned(parameters: Iterable[torch.nn.Parameter]) -> bool:
 
 
 def make_ema(parameters: Iterable[torch.nn.Parameter], **ema_kwargs) -> EMAModel:
-    """The EMA for these (prepared) parameters; `ema_kwargs` as diffusers' `EMAModel` (decay, model_cls, ...)."""
+    """The EMA for these (prepared) parameters; `ema_kwargs` as diffusers' `EMAModel` (decay, model_cls, ...).
+
+    `foreach=True` by default where the installed diffusers has it: a few multi-tensor ops a step instead of one
+    update per parameter tensor. Its update s − (1 − decay)·(s − p) is rounded once where the per-tensor form
+    rounds the product first, so the two differ in the last bit of some shadows; it is `PartitionedEMA`'s form."""
+    if "foreach" in inspect.signature(EMAModel.__init__).parameters:
+        ema_kwargs.setdefault("foreach", True)
     parameters = list(parameters)
     if is_partitioned(parameters):
         return PartitionedEMA(parameters, **ema_kwargs)
