@@ -114,3 +114,21 @@ def test_partitioned_ema_matches_a_whole_ema_under_real_zero3(tmp_path, monkeypa
         assert out["reloaded"]["decay"] == 0.9
         assert out["refused"] == "the EMA state does not match this model's parameter shapes"
         assert all(torch.equal(a, b) for a, b in zip(out["reloaded"]["shadow_params"], state["shadow_params"]))
+
+
+def test_make_ema_steps_with_foreach_kernels_within_rounding_of_the_per_tensor_update():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    fast = make_ema(model.parameters(), decay=0.9)
+    per_tensor = make_ema(model.parameters(), decay=0.9, foreach=False)  # an explicit choice is kept
+    assert fast.foreach and not per_tensor.foreach
+    for _ in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        fast.step(model.parameters())
+        per_tensor.step(model.parameters())
+    moved = max((s - p).abs().max() for s, p in zip(fast.shadow_params, model.parameters()))
+    assert moved > 0.1
+    for a, b in zip(fast.shadow_params, per_tensor.shadow_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -120,3 +120,42 @@ def test_a_non_finite_gradient_norm_with_a_finite_loss_skips_the_update():
     handle.remove()
     assert skip and torch.isfinite(stats["loss"]) and not torch.isfinite(torch.as_tensor(stats["grad_norm"]))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_adamw_is_fused_where_the_parameters_train_on_cuda_and_foreach_elsewhere():
+    from imba.training.build import build_optimizer
+    from imba.training.config import load_config
+
+    cfg = load_config([])
+    params = list(torch.nn.Linear(3, 2).parameters())  # built on the CPU; train.py's prepare moves them
+    on_gpu, _ = build_optimizer(cfg, params, 1, device="cuda")
+    on_cpu, _ = build_optimizer(cfg, params, 1)
+    kernels = lambda opt: {(g["fused"], g["foreach"]) for g in opt.param_groups}  # noqa: E731
+    assert kernels(on_gpu) == {(True, None)} and kernels(on_cpu) == {(None, True)}
+    gpu_state, cpu_state = on_gpu.state_dict(), on_cpu.state_dict()
+    on_gpu.load_state_dict(cpu_state)  # a checkpoint of the other machine: its kernels are not taken over
+    on_cpu.load_state_dict(gpu_state)
+    assert kernels(on_gpu) == {(True, None)} and kernels(on_cpu) == {(None, True)}
+
+
+def test_adamw_on_the_cpu_steps_bitwise_as_torchs_default_adamw():
+    """The CPU default run's weights stay what they were before AdamW's kernels were chosen."""
+    from imba.training.build import build_optimizer
+    from imba.training.config import load_config
+
+    cfg = load_config(["optim.warmup_steps=2"])
+    models = []
+    for build in ("ours", "default"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        optimizer, schedule = build_optimizer(cfg, model.parameters(), 1)
+        if build == "default":  # torch picks the kernels, as AdamW does when given none
+            optimizer.param_groups[0].update(foreach=None, fused=None)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            model(torch.randn(8, 7, generator=g)).square().mean().backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        models.append(model)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
