@@ -215,13 +215,36 @@ def _retried(what: str, call: Callable[[], T], budget: StoreBudget = DEFAULT_BUD
             wait = min(wait * 2, BACKOFF_MAX_S)
 
 
-def glob(spec: str, budget: StoreBudget = DEFAULT_BUDGET) -> list[str]:
+def glob(spec: str, budget: StoreBudget | None = None, listings: str | None = None) -> list[str]:
     """The shards a remote glob names (`s3://bucket/shards/*.tar`), sorted, as the store lists them (an HTTP server
-    lists a folder only where it serves a page of links to its files; [] otherwise)."""
+    lists a folder only where it serves a page of links to its files; [] otherwise). Each listing is kept in
+    `listings` (default `<default_cache_dir()>/listings`): when the store does not answer, the last one is used, said
+    in one line, so that a restart with the store down can read the cached shards."""
+    budget = budget or DEFAULT_BUDGET  # looked up when called: a spec is expanded before any setting is read
     fs, path = filesystem(spec, budget)
     scheme = spec.split("://")[0]
-    found = _retried(f"list {spec}", lambda: fs.glob(path), budget, spec)
-    return sorted(p if "://" in p else f"{scheme}://{p}" for p in found)
+    kept = os.path.join(listings or os.path.join(default_cache_dir(), "listings"),
+                        hashlib.sha256(spec.encode()).hexdigest()[:20] + ".json")
+    try:
+        found = _retried(f"list {spec}", lambda: fs.glob(path), budget, spec)
+    except (RemoteReadError, StoreUnreachable) as exn:
+        last = read_json(kept)
+        if not last or last.get("spec") != spec:
+            raise
+        log.warning("data: the store did not answer the listing of %s (%s); using its last listing (%d shards, %s)",
+                    spec, str(exn)[:200], len(last["urls"]), kept)
+        return list(last["urls"])
+    urls = sorted(p if "://" in p else f"{scheme}://{p}" for p in found)
+    if urls:
+        try:
+            os.makedirs(os.path.dirname(kept), exist_ok=True)
+            part = f"{kept}.part-{os.getpid()}-{threading.get_ident()}"
+            with open(part, "w") as f:
+                json.dump({"spec": spec, "urls": urls}, f)
+            os.replace(part, kept)
+        except OSError as exn:  # a read-only home: no fallback listing, the run goes on
+            log.info("cannot keep the listing of %s in %s (%s)", spec, kept, exn)
+    return urls
 
 
 def _etag(info: dict[str, Any]) -> str:

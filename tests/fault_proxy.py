@@ -17,7 +17,8 @@ Modes (`FaultProxy.set(mode, ...)`):
 A spoiled answer loses its `x-amz-checksum-*` headers, as from an S3-compatible store that sends none (with them,
 botocore's own check would find a flipped byte before the project's checksum is asked).
 
-Body faults (reset, truncate, flip, swap) apply to GETs whose path contains `path` (default every path); `times`
+Faults apply to the requests whose path contains `path` (default every path), body faults (reset, truncate, flip,
+swap) to GETs only; `times`
 bounds how many answers a mode spoils (default no bound), `share` how many of them (seeded). `spoiled` counts the
 spoiled answers, `requests` every request by (method, path).
 """
@@ -105,7 +106,7 @@ class FaultProxy:
         with self._lock:
             if self.mode in ("none", "delay") or (self.times is not None and self.times <= 0):
                 return False
-            if body_fault and (method != "GET" or self.path not in path):
+            if self.path not in path or body_fault and method != "GET":
                 return False
             if self._rng.random() >= self.share:
                 return False

@@ -37,7 +37,7 @@ def local(tmp_path_factory):
 
 
 @pytest.fixture
-def s3(monkeypatch):
+def s3(monkeypatch, tmp_path):
     server = S3Server()
     for key, value in server.env.items():
         monkeypatch.setenv(key, value)
@@ -45,6 +45,7 @@ def s3(monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     monkeypatch.setattr(remote, "BACKOFF_S", 0.001)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # where the listings of globs are kept
     yield server
     server.close()
 

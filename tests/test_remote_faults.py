@@ -18,6 +18,7 @@ from data.indexed import IndexedShards, TooManyBadShards, make_indexed_loader
 from data.remote import ShardCache, ShardChanged, StoreBudget, StoreUnreachable
 from data.skips import UNREADABLE_SHARD
 from data.synthetic import write_synthetic_shards
+from data.urls import expand_urls
 from fault_proxy import FaultProxy
 from remote_servers import S3Server
 
@@ -32,13 +33,15 @@ def local(tmp_path_factory):
 
 
 @pytest.fixture
-def store(monkeypatch):
+def store(monkeypatch, tmp_path):
     """(S3 server, the proxy the client goes through)."""
     server = S3Server()
     proxy = FaultProxy(server.endpoint)
     for key, value in server.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # where the listings of globs are kept
+    monkeypatch.setattr(remote, "DEFAULT_BUDGET", FAST)  # what a glob is listed within
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
     yield server, proxy
     proxy.close()
@@ -130,10 +133,13 @@ def test_a_restart_with_the_store_down_reads_the_complete_cached_copies(local, s
     server, proxy = store
     urls = server.upload("shards", "down", local)
     cache = ShardCache(tmp_path / "cache", budget=FAST)
+    assert expand_urls("s3://shards/down/*.tar") == urls  # listed by the store, the listing kept
     load_or_build_index(urls, cache=cache)  # every shard downloaded once, while the index is built
     want = keys_and_pixels(local)[1]
     proxy.set("refuse")
     caplog.set_level(logging.WARNING)
+    assert expand_urls("s3://shards/down/*.tar") == urls  # the last listing, said in one line
+    assert "data: the store did not answer the listing of s3://shards/down/*.tar" in caplog.text
     index = load_or_build_index(urls, cache=cache)
     assert index.rescanned == [] and index.nsamples == [6] * 4
     assert same(keys_and_pixels(index)[1], want)
@@ -265,3 +271,17 @@ def test_the_cache_bound_holds_at_every_poll_while_the_index_is_built(tmp_path, 
         assert max(seen) <= limit, f"the cache held {max(seen)} bytes, its limit is {limit}"
     finally:
         server.close()
+
+
+def test_the_caption_check_reads_remote_shards_through_the_cache(local, store, tmp_path):
+    from imba.training.text_check import sample_captions
+
+    server, proxy = store
+    urls = server.upload("shards", "captions", local)
+    cache = ShardCache(tmp_path / "cache", budget=FAST)
+    want = sample_captions([local], "caption", per_source=9)
+    assert len(want) == 9 and sample_captions([urls], "caption", per_source=9, cache=cache) == want
+    assert len(copies(cache)) == 2  # the shards the captions came from, kept for the reader
+    proxy.set("error", path="synthetic-000000")  # a shard the store does not give: its captions skipped
+    fresh = ShardCache(tmp_path / "fresh", budget=FAST)
+    assert sample_captions([urls], "caption", per_source=3, cache=fresh) == want[6:9]

@@ -2,7 +2,8 @@
 
 A text encoder that turns most words of a caption into its unknown token trains a nearly unconditional model
 without a sign in the loss: the word-level `tiny-words` encoder knows only the synthetic set's words. Read from the
-first `SAMPLE` captions of each training source (shard order), with the run's tokenizer alone:
+first `SAMPLE` captions of each training source (shard order; shards on object storage read through the run's
+shard cache), with the run's tokenizer alone:
 
 - more than `REFUSE_UNKNOWN` of their tokens unknown: refused with one line naming the encoder and what to set;
 - more than `WARN_UNKNOWN`: a warning with the words it cannot read;
@@ -12,15 +13,20 @@ first `SAMPLE` captions of each training source (shard order), with the run's to
 
 from __future__ import annotations
 
+import logging
+import os
 from itertools import islice
 
 from accelerate import Accelerator
 
 from data.concepts.captions import iter_shard_captions
+from data.remote import ShardCache, is_indexable_remote
 from data.sources import Source
 from data.synthetic import CAPTION_WORDS
 from imba.training.config import Config, ConfigError
 from models.text_encoder import CaptionReading, load_tokenizer, read_captions
+
+log = logging.getLogger(__name__)
 
 SAMPLE = 256  # captions read per source
 REFUSE_UNKNOWN = 0.5  # share of unknown tokens that refuses the run
@@ -29,12 +35,24 @@ WARN_TRUNCATED = 0.25  # share of captions cut short that warns
 
 
 def sample_captions(sources: list[Source] | list[list[str]], caption_field: str,
-                    per_source: int = SAMPLE) -> list[str]:
+                    per_source: int = SAMPLE, cache: ShardCache | None = None) -> list[str]:
     """The first `per_source` captions of each source (a `Source`, or a list of shard URLs), its shards in order, no
-    image read."""
+    image read; a shard on object storage from its copy in `cache` (downloaded there first, as the reader would)."""
     def captions(urls: list[str]):
         for url in urls:
-            yield from iter_shard_captions(url, caption_field)
+            if not is_indexable_remote(url):
+                yield from iter_shard_captions(url, caption_field)
+                continue
+            store = cache or ShardCache()
+            try:
+                fd = store.open(url, store.stat(url))
+            except OSError as exn:  # a shard the store does not give: skipped here as the reader will
+                log.warning("skipping the captions of %s: %s", url, exn)
+                continue
+            try:  # read through the descriptor: another process's eviction cannot take the copy meanwhile
+                yield from iter_shard_captions(f"/dev/fd/{fd}", caption_field)
+            finally:
+                os.close(fd)
 
     return [caption for source in sources
             for caption in islice(captions(source.urls if isinstance(source, Source) else source), per_source)]
@@ -60,7 +78,7 @@ def judge(reading: CaptionReading, text_encoder: str, max_text_tokens: int) -> t
 
 def check_captions_readable(cfg: Config, accelerator: Accelerator, sources: list[Source]) -> None:
     """Refuse (`ConfigError`) or warn, by the rules above, on every rank alike (each reads the same captions)."""
-    captions = sample_captions(sources, cfg.data.caption_field)
+    captions = sample_captions(sources, cfg.data.caption_field, cache=cfg.data.cache())
     if not captions:  # e.g. precomputed shards without their captions: nothing to judge
         return
     m = cfg.model
