@@ -29,6 +29,7 @@ from imba.training import checkpoints
 from imba.training.checkpoints import TrainState, load_checkpoint, register_state, save_checkpoint
 from imba.training.config import load_config
 from imba.training.ema import ema_weights_copy, make_ema
+from imba.training.guard import DivergenceGuard
 from imba.training.export import export_adapter
 from imba.training.hooks import Hooks
 from models.lora import add_lora
@@ -60,6 +61,21 @@ def test_a_non_finite_loss_in_any_micro_batch_of_an_accumulation_skips_the_step_
     assert skips == [False, False, False] and step.guard.consecutive == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+class OtherRankBad:
+    """This process as rank 0 of two: `gather` hands back its own flag and rank 1's, which found its step bad."""
+
+    device = torch.device("cpu")
+
+    def gather(self, tensor):
+        return torch.cat([tensor, torch.ones_like(tensor)])
+
+
+def test_a_step_another_rank_found_bad_is_skipped_here_too():
+    guard = DivergenceGuard(OtherRankBad(), max_bad_steps=3)
+    guard.add_loss(torch.tensor(0.5))  # finite here
+    assert guard.step_is_bad(torch.tensor(1.0)) and guard.skipped == 1 and guard.consecutive == 1
 
 
 # ---- every export holds the EMA's weights ---------------------------------------------------------------------
