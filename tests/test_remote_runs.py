@@ -1,13 +1,17 @@
 """Real runs of train.py on a mix of a local source and one on an S3 server on 127.0.0.1 (moto), balanced by concepts
 and read two shards at a time: 2 processes, then 1, killed with SIGKILL after a checkpoint and resumed, end with the
 parameters of the same runs without the kill and train on the samples one uninterrupted process draws; each remote
-shard is downloaded once while it fits the cache; no credential is written anywhere."""
+shard is downloaded once while it fits the cache; no credential is written anywhere. A store that dies mid-run (the
+fault proxy refusing) ends the run in one line with the requeue exit status and a checkpoint that resumes to the
+uninterrupted run's parameters once the store is back."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +99,56 @@ def test_a_local_and_an_s3_source_balanced_on_2_then_1_process_with_a_kill_train
     for root, _, files in os.walk(tmp_path):
         for name in files:
             assert secret not in (Path(root) / name).read_bytes(), name
+
+
+def wired() -> bool:
+    """Whether train.py ends a run on a dead store (data.remote.StoreUnreachable) with a checkpoint."""
+    return "StoreUnreachable" in (REPO / "train.py").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not wired(), reason="train.py does not end a run on data.remote.StoreUnreachable yet")
+def test_a_store_that_dies_mid_run_ends_it_in_one_line_with_a_checkpoint_that_resumes_once_it_is_back(
+        store, tmp_path):
+    from fault_proxy import FaultProxy
+    from imba.training.preemption import REQUEUE_EXIT_CODE
+
+    server, _ = store
+    proxy = FaultProxy(server.endpoint)
+    environment = {**env(server), "AWS_ENDPOINT_URL": proxy.url}
+
+    def args(out: Path, *extra: str) -> list[str]:  # nothing stays in the cache: a shard read is a download
+        return [str(REPO / "train.py"), f"train.output_dir={out}", *COMMON, "data.precompute=false",
+                "data.shards=s3://features/small/*.tar", f"data.cache_dir={tmp_path / out.name}-cache",
+                "data.cache_limit=1", "data.store_timeout=3", "train.max_steps=8", *extra]
+
+    def trained(out: Path) -> int:
+        metrics = out / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    try:
+        full = subprocess.run([sys.executable, *args(tmp_path / "full")], cwd=tmp_path, env=environment,
+                              capture_output=True, text=True, timeout=600)
+        assert full.returncode == 0, full.stderr[-3000:]
+        died = tmp_path / "died"
+        proc = subprocess.Popen([sys.executable, *args(died)], cwd=tmp_path, env=environment, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while trained(died) < 3:  # the store dies once the run has trained 3 steps
+            assert proc.poll() is None and time.monotonic() < deadline, "timed out before step 3"
+            time.sleep(0.02)
+        proxy.set("refuse")
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == REQUEUE_EXIT_CODE, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and re.fullmatch(r"error: s3://features/small/\S+\.tar: store unreachable for 3 s "
+                                                 r"\(.+\)", errors[0]), errors
+        assert "Traceback" not in output
+        assert (died / "checkpoints" / "latest").is_file()
+        proxy.heal()  # the store is back: the requeued run resumes to the uninterrupted run's parameters
+        resumed = subprocess.run([sys.executable, *args(died)], cwd=tmp_path, env=environment, capture_output=True,
+                                 text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert digests(resumed.stdout + resumed.stderr) == digests(full.stdout + full.stderr) != {}
+    finally:
+        proxy.close()
