@@ -5,9 +5,12 @@ rewritten in place. Each test drives the real classes at tiny sizes (docs/testin
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,6 +38,9 @@ from imba.training.hooks import Hooks
 from models.lora import add_lora
 from tests.test_lora import TARGETS, out, perturb_adapters, tiny_dit
 from tests.test_train_step import batches, made
+
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -187,3 +193,38 @@ def test_the_plain_losss_scored_rows_reach_the_balance_with_their_own_samples_an
     expected = token_distance(noised.target[:4], torch.zeros_like(noised.target[:4]), 2).mean(dim=1)
     np.testing.assert_allclose(distance, expected.numpy(), rtol=1e-6)  # each row's own distance
     assert list(np.flatnonzero(balancer.balance.window["bin_rows"])) == [1, 3, 7, 9]
+
+
+# ---- the promise table of docs/testing.md names tests that exist ------------------------------------------------
+
+def _marked_slow(node: ast.AST) -> bool:
+    return any("slow" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
+
+
+def test_every_promise_names_tests_that_exist():
+    """Each `tests/FILE.py::NAME` of the table is a test function of that file; the ones in the fast column (all but
+    those after "slow only:") are not marked slow, nor is their file."""
+    text = (REPO / "docs" / "testing.md").read_text()
+    table = text.split("## What the tests promise", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Promise")]
+    assert len(rows) >= 20
+    problems = []
+    for row in rows:
+        tests_cell = row.rstrip(" |").rsplit(" | ", 1)[1]
+        fast, _, slow = tests_cell.partition("slow only:")
+        named = [(m, True) for m in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", fast)]
+        named += [(m, False) for m in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", slow)]
+        if not named:
+            problems.append(f"no test named: {row[:80]}")
+        for (path, name), must_be_fast in named:
+            file = REPO / path
+            tree = ast.parse(file.read_text()) if file.is_file() else None
+            found = [n for n in (tree.body if tree else []) if isinstance(n, ast.FunctionDef) and n.name == name]
+            file_slow = tree is not None and any(
+                isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                and "slow" in ast.unparse(n.value) for n in tree.body)
+            if not found:
+                problems.append(f"{path}::{name} does not exist")
+            elif must_be_fast and (file_slow or _marked_slow(found[0])):
+                problems.append(f"{path}::{name} is marked slow")
+    assert problems == []
