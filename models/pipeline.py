@@ -64,11 +64,29 @@ def unsamplable_reason(config, kind: str) -> str | None:
 
 
 def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler, pipeline: str = "alpha") -> DiffusionPipeline:
-    """The stock pipeline class `pipeline` ("alpha" or "sigma", see PIPELINES) around the parts."""
+    """The stock pipeline class `pipeline` ("alpha" or "sigma", see PIPELINES) around the parts; text_encoder and
+    tokenizer may be None (both optional in diffusers): it then samples from `encode_prompts`' embeddings only."""
     pipe = PIPELINES[pipeline](tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                                scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def encode_prompts(text_encoder, tokenizer, prompts: list[str], max_text_tokens: int, pipeline: str = "alpha",
+                   device="cpu") -> dict[str, torch.Tensor]:
+    """The text embeddings of `prompts` and of the empty negative prompt (one per prompt) as the stock pipeline
+    computes them for classifier-free guidance, on `device`: the keywords (`prompt_embeds`,
+    `prompt_attention_mask`, `negative_prompt_embeds`, `negative_prompt_attention_mask`) that `sample_images` and
+    the pipeline take instead of text, so the text encoder need not be there when the images are drawn."""
+    pipe = PIPELINES[pipeline](tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None,
+                               scheduler=None)
+    with torch.no_grad():
+        embeds, mask, negative, negative_mask = pipe.encode_prompt(
+            prompts, do_classifier_free_guidance=True, negative_prompt="", device=text_encoder.device,
+            clean_caption=False, max_sequence_length=max_text_tokens)
+    return {key: t.to(device) for key, t in dict(
+        prompt_embeds=embeds, prompt_attention_mask=mask, negative_prompt_embeds=negative,
+        negative_prompt_attention_mask=negative_mask).items()}
 
 
 LABEL_LINES = 3  # a label longer than this many lines of its tile's width ends in "…"
@@ -111,8 +129,11 @@ def image_grid(images: list[Image.Image], columns: int | None = None,
 
 @torch.no_grad()
 def sample_images(pipe: DiffusionPipeline, prompts: list[str], resolution: int, guidance_scale: float,
-                  steps: int, seed: int | list[int], max_text_tokens: int) -> list[Image.Image]:
+                  steps: int, seed: int | list[int], max_text_tokens: int,
+                  embeddings: dict[str, torch.Tensor] | None = None) -> list[Image.Image]:
     """Fixed prompts, fixed seed, classifier-free guidance; one image per prompt.
+
+    `embeddings`: the prompts already encoded (`encode_prompts`); the pipeline then needs no text encoder.
 
     `seed`: one int seeds a single generator for the whole batch (the training grids); a list gives every image its
     own CPU generator, and its initial noise is drawn in float32 on the CPU from it, so an image's starting noise
@@ -131,14 +152,15 @@ def sample_images(pipe: DiffusionPipeline, prompts: list[str], resolution: int, 
         channels, size = pipe.transformer.config.in_channels, resolution // pipe.vae_scale_factor
         latents = torch.cat([torch.randn(1, channels, size, size, generator=g) for g in generator])
         latents = latents.to(pipe.device, pipe.transformer.dtype)
-    dtypes = {pipe.transformer.dtype, pipe.vae.dtype, pipe.text_encoder.dtype}
+    text = dict(prompt=None, negative_prompt=None, **embeddings) if embeddings else dict(prompt=prompts)
+    dtypes = {part.dtype for part in (pipe.transformer, pipe.vae, pipe.text_encoder) if part is not None}
     mixed = contextlib.nullcontext()
     if len(dtypes) > 1:
         low = min(dtypes, key=lambda d: torch.finfo(d).bits)
         mixed = torch.autocast(pipe.device.type, dtype=low)
     with mixed:
         return pipe(
-            prompts, height=resolution, width=resolution, guidance_scale=guidance_scale, num_inference_steps=steps,
+            **text, height=resolution, width=resolution, guidance_scale=guidance_scale, num_inference_steps=steps,
             generator=generator, latents=latents, max_sequence_length=max_text_tokens, clean_caption=False,
             # Resolution binning only knows PixArt's 256/512/1024 grids; we sample exactly the trained size.
             use_resolution_binning=False,
@@ -165,10 +187,11 @@ def export_pipeline(pipe: DiffusionPipeline, folder: Path) -> Path:
 
 
 def save_grid(transformer, parts: dict, path: Path, prompts: list[str], resolution: int, guidance_scale: float,
-              steps: int, seed: int, max_text_tokens: int) -> None:
-    """A grid of `prompts` sampled from `transformer`. `parts`: vae, text_encoder, tokenizer, scheduler and
-    optionally pipeline (the kind, see build_pipeline)."""
+              steps: int, seed: int, max_text_tokens: int, embeddings: dict[str, torch.Tensor] | None = None) -> None:
+    """A grid of `prompts` sampled from `transformer`, each labelled with its prompt. `parts`: vae, scheduler,
+    optionally pipeline (the kind, see build_pipeline), text_encoder and tokenizer (None where `embeddings` holds
+    the prompts encoded, see `encode_prompts`)."""
     images = sample_images(build_pipeline(transformer=transformer, **parts), prompts, resolution, guidance_scale,
-                           steps, seed, max_text_tokens)
+                           steps, seed, max_text_tokens, embeddings)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     image_grid(images, labels=prompts).save(path)

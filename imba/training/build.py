@@ -17,14 +17,35 @@ from models.dit import build_transformer, load_pretrained_transformer
 from models.encoders import DTYPES, FrozenEncoders
 from models.lora import add_lora
 from models.pipeline import pipeline_kind_of, unsamplable_reason
-from models.text_encoder import load_tokenizer
+from models.text_encoder import load_text_encoder, load_tokenizer
+from models.vae import load_vae
 
 
-def load_encoders(cfg: Config, device) -> FrozenEncoders:
-    """Frozen tokenizer + T5 and VAE; "tiny-words" tokenizes the synthetic captions' words."""
+def load_encoders(cfg: Config, device, dtype: torch.dtype | None = None) -> FrozenEncoders:
+    """Frozen tokenizer + T5 and VAE in `dtype` (default model.encoder_dtype); "tiny-words" tokenizes the synthetic
+    captions' words."""
     try:
-        return FrozenEncoders.load(**cfg.model.encoders(), device=device, dtype=DTYPES[cfg.model.encoder_dtype],
-                                   words=CAPTION_WORDS)
+        return FrozenEncoders.load(**cfg.model.encoders(), device=device,
+                                   dtype=dtype or DTYPES[cfg.model.encoder_dtype], words=CAPTION_WORDS)
+    except OSError as err:
+        raise ConfigError(str(err)) from err
+
+
+def load_text_encoder_alone(cfg: Config, device):
+    """(tokenizer, frozen T5 on `device`) of the run, in model.encoder_dtype, without the VAE."""
+    m = cfg.model
+    try:
+        tokenizer, t5 = load_text_encoder(m.text_encoder, m.text_encoder_subfolder, m.tokenizer_subfolder,
+                                          dtype=DTYPES[m.encoder_dtype], words=CAPTION_WORDS)
+    except OSError as err:
+        raise ConfigError(str(err)) from err
+    return tokenizer, t5.to(device)
+
+
+def load_vae_alone(cfg: Config, device):
+    """The run's frozen VAE on `device`, in model.encoder_dtype, without the text encoder."""
+    try:
+        return load_vae(cfg.model.vae, cfg.model.vae_subfolder, dtype=DTYPES[cfg.model.encoder_dtype]).to(device)
     except OSError as err:
         raise ConfigError(str(err)) from err
 

@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from accelerate import init_empty_weights
 from diffusers.training_utils import EMAModel
 
 from models.lora import has_lora, merged_state_dict
@@ -108,23 +109,29 @@ class PartitionedEMA(EMAModel):
             self.shadow_params.append(torch.cat([piece, piece.new_zeros(n - piece.numel())]).to(old))
 
 
-def ema_weights_copy(model: torch.nn.Module, ema: EMAModel, build: bool = True) -> torch.nn.Module | None:
-    """A fresh copy of `model` (a diffusers model) holding the EMA weights, on the model's device, in eval mode,
-    without compile or checkpointing state, LoRA adapters merged into the weights: what a sample grid and the export
-    run. None where `build` is False. With a `PartitionedEMA` every rank must call it (the slices are gathered from
-    all ranks); pass build=is_main_process."""
+def ema_weights_copy(model: torch.nn.Module, ema: EMAModel, build: bool = True, dtype: torch.dtype = torch.float32,
+                     device=None) -> torch.nn.Module | None:
+    """A fresh copy of `model` (a diffusers model) holding the EMA weights in `dtype` (float32: the export's; a grid's
+    is the training's, e.g. bf16), on `device` (default: the EMA's), in eval mode, without compile or checkpointing
+    state, LoRA adapters merged into the weights: what a sample grid and the export run. None where `build` is False.
+    With a `PartitionedEMA` every rank must call it (the slices are gathered from all ranks); pass
+    build=is_main_process."""
     weights = ema.full_tensors(keep=build) if isinstance(ema, PartitionedEMA) else ema.shadow_params
     if not build:
         return None
-    device = ema.shadow_params[0].device
-    # the random initialisation must not draw from the training's random streams (a resumed run would diverge from
-    # an uninterrupted one at the first grid); on the model's device: for 1B on a GPU much faster than on the CPU
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+    device = torch.device(device or ema.shadow_params[0].device)
+    # the parameters on the meta device, allocated once below in `dtype`: no random initialisation (nothing drawn
+    # from the training's random streams, so a resumed run does not diverge from an uninterrupted one at the first
+    # grid) and never a float32 model on the way to a bf16 one; buffers (the positional table) computed as usual
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            init_empty_weights(include_buffers=False):
         copy = type(model).from_config(model.config)
     if has_lora(model):  # the adapters folded into the base weights: a stock transformer
-        copy.load_state_dict(merged_state_dict(model, weights))
-        return copy.eval()
-    with torch.no_grad():
-        for param, weight in zip(copy.parameters(), weights, strict=True):
-            param.copy_(weight)
+        state = merged_state_dict(model, weights)
+    else:
+        state = {**copy.state_dict(), **dict(zip([n for n, _ in copy.named_parameters()], weights, strict=True))}
+    # copy=True: never the EMA's own tensors, which the next EMA step changes in place
+    copy.load_state_dict({name: t.to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+                          for name, t in state.items()}, assign=True)
+    torch.nn.Module.to(copy, device, dtype)  # the buffers; diffusers' own `to` warns about float32 modules
     return copy.eval()
