@@ -75,7 +75,7 @@ class ModelConfig:
     # a hub id (stabilityai/sd-vae-ft-ema) or a local folder
     vae: str = "shapes"
     vae_subfolder: str = ""
-    encoder_dtype: str = "float32"  # dtype of the frozen T5 and VAE: float32 | bfloat16 | float16
+    encoder_dtype: str = "float32"  # of the frozen T5 and VAE: float32 | bfloat16 (float16: refused, T5 overflows)
     # LoRA fine-tuning (peft) of model.pretrained: 0 trains every weight; r > 0 freezes the DiT and trains rank-r
     # adapters on the linear layers lora_targets names; the export holds the merged weights and the adapters (lora/)
     lora_rank: int = 0
@@ -89,6 +89,9 @@ class ModelConfig:
                               "lora_alpha": ">= 0 (0 = lora_rank)"}
 
     def check(self) -> None:
+        if self.encoder_dtype == "float16":  # every text encoder here is a T5 (models.text_encoder)
+            raise ValueError("model.encoder_dtype=float16 runs the T5 text encoder in float16, where T5 v1.1 "
+                             "overflows (inf or clamped text states): set model.encoder_dtype=bfloat16 (or float32)")
         if self.lora_rank and not self.pretrained:
             raise ValueError("model.lora_rank needs model.pretrained: LoRA adapts trained weights (an export of a "
                              "run, or a PixArt transformer)")

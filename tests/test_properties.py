@@ -128,8 +128,8 @@ def valid_override(draw) -> tuple[str, str, typing.Any]:
     if key == "data.balance":  # cap is valid only with its threshold, another key
         value = draw(st.sampled_from([c for c in CHOICES[key] if c != "cap"]))
         return key, value, BALANCE_RULES[value]()
-    if key in CHOICES:
-        value = draw(st.sampled_from(CHOICES[key]))
+    if key in CHOICES:  # model.encoder_dtype=float16 is refused (T5 overflows in float16: test_half_precision.py)
+        value = draw(st.sampled_from([c for c in CHOICES[key] if (key, c) != ("model.encoder_dtype", "float16")]))
         return key, value, value
     if key in KIND_OF:  # a kind's own setting with choices
         owner, name = key.rsplit(".", 1)
