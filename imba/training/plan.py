@@ -281,6 +281,7 @@ class ModePlan:
     keep_gradients: bool  # DDP and one process hold the step's gradients until the optimizer step
     step_floor: float
     grid: float
+    grid_parts: dict[str, float]
 
     def step_at(self, batch: int) -> float:
         return max(self.step.at(batch, self.keep_gradients), self.step_floor)
@@ -330,7 +331,8 @@ def vae_decode_bytes(cfg: Config, sizes: EncoderSizes, images: int) -> tuple[flo
         z = torch.randn(images, sizes.latent_channels, latent, latent)
         mode = LiveTensorBytes()
         with mode, torch.no_grad():
-            mode.track(z)
+            for t in [*vae.parameters(), *vae.buffers(), z]:  # a weight's view would count it otherwise
+                mode.track(t)
             start = mode.live
             vae.decode(z)
     return weights, mode.peak - start
@@ -343,6 +345,8 @@ def sampling_bytes(cfg: Config, sizes: EncoderSizes, dtype: torch.dtype, rows: i
         noised, cond, _ = _inputs(cfg, sizes, rows, dtype)
         mode = LiveTensorBytes()
         with mode, torch.no_grad():
+            for t in [*dit.parameters(), *dit.buffers()]:  # a weight's view would count it otherwise
+                mode.track(t)
             start = mode.live
             predict(dit, noised.noisy.to(dtype), noised.timesteps, *cond, sizes.vae_scale)
     return mode.peak - start
@@ -370,8 +374,11 @@ def plan_run(cfg: Config, gpus: int, sizes: EncoderSizes | None = None, modes=MO
     encoders = _text_encoder_bytes(cfg) + vae_weights if online else 0.0
     grid_rows = 2 * max(len(cfg.sample.prompts), 1) if cfg.sample.guidance_scale > 1 else max(len(cfg.sample.prompts), 1)
     sampling = sampling_bytes(cfg, sizes, half or torch.float32, grid_rows)
-    # the EMA copy in the training dtype; the VAE loaded for the grid unless it is already there
-    grid = P * half_bytes + (0.0 if online else vae_weights) + max(decode, sampling)
+    # the EMA copy in the training dtype; the VAE loaded for the grid unless it is already there; then the sampling
+    # passes and the decode, one after the other
+    grid_parts = {"EMA copy": P * half_bytes, "VAE": 0.0 if online else vae_weights, "sampling pass": sampling,
+                  "decode": decode}
+    grid = grid_parts["EMA copy"] + grid_parts["VAE"] + max(decode, sampling)
     defaults = optimizer.defaults
     plans, traced = [], {}
     for mode in modes:
@@ -391,7 +398,8 @@ def plan_run(cfg: Config, gpus: int, sizes: EncoderSizes | None = None, modes=MO
                 adam_temp = 4 * T if foreach_adam else 2 * 4 * largest
                 states = {"parameters": 4 * P, "gradients": 0.0, "optimizer": 8 * T, "ema": 4 * P,
                           "buckets": 4 * T if mode == "ddp" else 0.0, "encoders": encoders}
-                plans.append(ModePlan(mode, ckpt, states, profile, True, max(4 * T + adam_temp, ema_temp), grid))
+                plans.append(ModePlan(mode, ckpt, states, profile, True, max(4 * T + adam_temp, ema_temp), grid,
+                                      grid_parts))
                 continue
             gathered = min(_max_live_parameters(), P) * half_bytes if mode == "zero3" else 0.0
             adam_temp = 4 * T / n if foreach_adam else 2 * 4 * min(largest, T / n)
@@ -401,7 +409,7 @@ def plan_run(cfg: Config, gpus: int, sizes: EncoderSizes | None = None, modes=MO
                       "encoders": encoders}
             # the step: the fp32 gradients of this rank's partition and the optimizer's temporaries
             floor = max(4 * T / n + adam_temp, ema_temp / (n if mode == "zero3" else 1))
-            plans.append(ModePlan(mode, ckpt, states, profile, False, floor, grid))
+            plans.append(ModePlan(mode, ckpt, states, profile, False, floor, grid, grid_parts))
     return plans
 
 
@@ -465,6 +473,8 @@ def format_plan(cfg: Config, plans: list[ModePlan], gpus: int, gpu_memory: float
     for p in plans:
         lines.append(f"| {p.mode} | {'on' if p.checkpointing else 'off'} | {p.largest_batch(gpu_memory)} | "
                      f"{p.largest_batch(gpu_memory, rank0=True)} |")
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in plans[0].grid_parts.items())
+    lines += ["", f"grid on rank 0 ({len(cfg.sample.prompts)} prompts): {parts} GiB (the larger of the last two)."]
     lines += ["", "\"step\": what one micro-step adds at its peak (activations, temporaries, autocast's weight "
               "copies; under DDP the fp32 gradients it holds until the optimizer step). Not counted: the data "
               "loader's pinned buffers, torch.compile's workspaces."]
