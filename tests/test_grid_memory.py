@@ -21,6 +21,8 @@ from imba.training.build import build_dit, load_encoders, load_vae_alone
 from imba.training.config import load_config
 from imba.training.ema import ema_weights_copy, make_ema
 from imba.training.sampling import GridSampler
+from models.dit import build_transformer
+from models.lora import add_lora, has_lora, merged_state_dict
 
 CPU = torch.device("cpu")
 # DiT-S/2 widths (30M parameters) at 64 px with 4 prompts: the EMA copy (57 MiB in bf16) outweighs the decode and
@@ -163,3 +165,19 @@ def test_a_copy_is_the_ema_rounded_to_its_dtype_and_never_shares_the_ema_s_tenso
             s.copy_(old)
     buffers = dict(dit.named_buffers())
     assert all(torch.equal(b, buffers[name]) for name, b in full.named_buffers())  # the positional table
+
+
+def test_a_lora_model_s_copy_is_a_stock_transformer_with_the_merged_ema_weights_in_its_dtype():
+    model = add_lora(build_transformer("micro", 4, 8, in_channels=4), rank=4, alpha=8, targets=["to_q", "ff.net.2"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B = 0 at the start: merging would add nothing
+                p.normal_()
+    ema = make_ema(model.parameters())
+    with torch.no_grad():
+        for p in model.parameters():  # the trained weights move on: the copy holds the EMA's
+            p.add_(1.0)
+    copy = ema_weights_copy(model, ema, dtype=torch.bfloat16)
+    merged = merged_state_dict(model, ema.shadow_params)
+    assert not has_lora(copy) and copy.state_dict().keys() == merged.keys()
+    assert all(torch.equal(t, merged[name].to(torch.bfloat16)) for name, t in copy.state_dict().items())
