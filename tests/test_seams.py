@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, PartialState
 
 from data.balance import build_concept_table
 from data.concepts import default_extractor
@@ -35,6 +35,9 @@ from imba.training.ema import ema_weights_copy, make_ema
 from imba.training.guard import DivergenceGuard
 from imba.training.export import export_adapter
 from imba.training.hooks import Hooks
+from imba.training.inputs import make_loader, online_balancer, training_sources
+from imba.training.build import build_optimizer
+from imba.training.resume import StreamPosition, rescale_schedule
 from models.lora import add_lora
 from tests.test_lora import TARGETS, out, perturb_adapters, tiny_dit
 from tests.test_train_step import batches, made
@@ -146,6 +149,39 @@ def test_the_run_map_carries_the_counters_and_a_hooks_per_rank_state_in_each_ran
         assert ("rank 2: " in capsys.readouterr().out) == (rank == 2)
 
 
+def test_the_lr_schedules_warm_up_continues_on_another_process_count():
+    # accelerate steps a prepared schedule once per process per optimizer step, and the run's warm-up is counted in
+    # those steps (build_optimizer): a resume on another process count must count the steps taken in its own unit
+    cfg = load_config(["optim.warmup_steps=10"])
+
+    def prepared(world):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = Accelerator(cpu=True)
+        # this process as one of `world` (accelerate's scheduler reads the count from a fresh AcceleratorState, which
+        # copies PartialState's)
+        accelerator.state.num_processes = PartialState().num_processes = world
+        model = torch.nn.Linear(2, 2)
+        optimizer, schedule = build_optimizer(cfg, model.parameters(), world)
+        return accelerator.prepare(model, optimizer, schedule)
+
+    def steps(model, optimizer, schedule, n):
+        for _ in range(n):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        return schedule.get_last_lr()[0]
+
+    saved = prepared(2)
+    steps(*saved, 3)
+    state = saved[2].state_dict()
+    after_four = steps(*saved, 1)  # what the two-process run reaches at step 4: 4 of 10 warm-up steps
+    resumed = prepared(3)
+    resumed[2].load_state_dict(state)
+    rescale_schedule(resumed[2], 2, 3)
+    assert steps(*resumed, 1) == after_four == 0.4 * cfg.optim.lr
+
+
 # ---- the stream's fingerprint follows the data --------------------------------------------------------------------
 
 def test_a_shard_rewritten_in_place_at_the_same_size_changes_the_fingerprint_the_checkpoint_records(tmp_path):
@@ -193,6 +229,28 @@ def test_the_plain_losss_scored_rows_reach_the_balance_with_their_own_samples_an
     expected = token_distance(noised.target[:4], torch.zeros_like(noised.target[:4]), 2).mean(dim=1)
     np.testing.assert_allclose(distance, expected.numpy(), rtol=1e-6)  # each row's own distance
     assert list(np.flatnonzero(balancer.balance.window["bin_rows"])) == [1, 3, 7, 9]
+
+
+def test_the_online_balancers_stream_position_counts_the_global_batch_of_every_process(tmp_path):
+    # its refreshes start their segments at stream positions: a step is the global batch of every process, not this
+    # process's (on 2 processes a position counted per process puts a refresh's weights at another step's draws)
+    shards = write_synthetic_shards(tmp_path / "a", num_samples=20, samples_per_shard=8, resolution=32, seed=3)
+    accelerator = Accelerator(cpu=True)
+    cfg = load_config(["data.resolution=32", "data.batch_size=2", "train.grad_accum=3", "data.balance=imba",
+                       "data.balance.every=2", f"data.shards={os.path.dirname(shards[0])}",
+                       f"train.output_dir={tmp_path}"])
+    sources = training_sources(cfg, accelerator, tmp_path)
+    balancer = online_balancer(cfg, accelerator, sources, patch_size=4, num_train_timesteps=1000)
+    per_step = 2 * 3 * 2  # batch × accumulation × processes
+    accelerator.state.num_processes = 2  # this process as rank 0 of two
+    try:
+        make_loader(cfg, accelerator, sources, StreamPosition(3, 3 * per_step), None, bucket_divisor=16,
+                    balancer=balancer)
+    finally:
+        accelerator.state.num_processes = 1
+    assert [balancer.position(step) for step in (3, 4, 6)] == [3 * per_step, 4 * per_step, 6 * per_step]
+    # the stream is decided up to the next refresh (step 4) plus the lag, in the same positions
+    assert balancer.order.known_until == (4 + balancer.lag) * per_step
 
 
 # ---- the promise table of docs/testing.md names tests that exist ------------------------------------------------
