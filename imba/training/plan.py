@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from data.synthetic import CAPTION_WORDS
-from imba.training.build import build_dit, build_optimizer, build_training_loss
+from imba.training.build import adamw_implementation, build_dit, build_training_loss
 from imba.training.config import Config, ConfigError, load_config
 from imba.training.inputs import precomputes
 from models.dit import apply_speed_settings, predict
@@ -254,19 +254,25 @@ def trace_step(cfg: Config, sizes: EncoderSizes, checkpointing: bool, held_dtype
 
 
 def _meta_parts(cfg: Config, sizes: EncoderSizes):
-    """(DiT, optimizer, EMA) of the run on the meta device: the parameter counts and the implementations the run's
-    own `build_optimizer` and `make_ema` choose, without a byte allocated."""
+    """(DiT, EMA) of the run on the meta device: the parameter counts and the EMA the run's own `make_ema` makes
+    (its `foreach` update), without a byte allocated."""
     from imba.training.ema import make_ema
     with torch.device("meta"):
         dit = build_dit(cfg, sizes)
-        optimizer, _ = build_optimizer(cfg, dit.parameters(), 1)
         ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)
-    return dit, optimizer, ema
+    return dit, ema
 
 
-def _uses_foreach(flag, device_type: str) -> bool:
-    """torch's default: the multi-tensor (foreach) kernels on CUDA, one tensor at a time on the CPU."""
-    return bool(flag) if flag is not None else device_type == "cuda"
+def _adam_temporaries(trained: list, device_type: str, partition: float) -> float:
+    """Bytes AdamW allocates for its update of `partition` parameters, with the kernels the run's `build_optimizer`
+    picks on `device_type`: none fused; one fp32 copy of the parameters with foreach (the square root of the second
+    moment); two of the largest parameter one at a time."""
+    kernels = adamw_implementation(trained, device_type)
+    if kernels.get("fused"):
+        return 0.0
+    if kernels.get("foreach", device_type == "cuda"):
+        return 4 * partition
+    return 2 * 4 * min(max(p.numel() for p in trained), partition)
 
 
 @dataclass
@@ -362,8 +368,9 @@ def plan_run(cfg: Config, gpus: int, sizes: EncoderSizes | None = None, modes=MO
                           "pretrained model's width (PixArt-XL/2 ≈ 1b) and plan that")
     sizes = sizes or encoder_sizes(cfg)
     online = (not precomputes(cfg)) if online_encoders is None else online_encoders
-    dit, optimizer, ema = _meta_parts(cfg, sizes)
-    params = [p for p in dit.parameters()]
+    dit, ema = _meta_parts(cfg, sizes)
+    params = list(dit.parameters())
+    trained = [p for p in params if p.requires_grad]
     P = sum(p.numel() for p in params)
     T = sum(p.numel() for p in params if p.requires_grad)
     largest = max(p.numel() for p in params)
@@ -379,13 +386,11 @@ def plan_run(cfg: Config, gpus: int, sizes: EncoderSizes | None = None, modes=MO
     grid_parts = {"EMA copy": P * half_bytes, "VAE": 0.0 if online else vae_weights, "sampling pass": sampling,
                   "decode": decode}
     grid = grid_parts["EMA copy"] + grid_parts["VAE"] + max(decode, sampling)
-    defaults = optimizer.defaults
     plans, traced = [], {}
     for mode in modes:
         deepspeed = mode.startswith("zero")
         device = "cpu" if mode == "one" else "cuda"
         held = (half or torch.float32) if deepspeed else torch.float32
-        foreach_adam = not defaults.get("fused") and _uses_foreach(defaults.get("foreach"), device)
         foreach_ema = bool(getattr(ema, "foreach", False))
         for ckpt in checkpointing:
             key = (held, ckpt)
@@ -395,20 +400,21 @@ def plan_run(cfg: Config, gpus: int, sizes: EncoderSizes | None = None, modes=MO
             n = gpus if deepspeed else 1
             ema_temp = 4 * P if foreach_ema else 2 * 4 * largest
             if not deepspeed:
-                adam_temp = 4 * T if foreach_adam else 2 * 4 * largest
+                adam_temp = _adam_temporaries(trained, device, T)
                 states = {"parameters": 4 * P, "gradients": 0.0, "optimizer": 8 * T, "ema": 4 * P,
                           "buckets": 4 * T if mode == "ddp" else 0.0, "encoders": encoders}
                 plans.append(ModePlan(mode, ckpt, states, profile, True, max(4 * T + adam_temp, ema_temp), grid,
                                       grid_parts))
                 continue
             gathered = min(_max_live_parameters(), P) * half_bytes if mode == "zero3" else 0.0
-            adam_temp = 4 * T / n if foreach_adam else 2 * 4 * min(largest, T / n)
+            adam_temp = _adam_temporaries(trained, device, T / n)  # on the flat fp32 partition
             states = {"parameters": P * half_bytes / (n if mode == "zero3" else 1) + gathered,
                       "gradients": T * half_bytes / n, "optimizer": 12 * T / n,
                       "ema": 4 * P / (n if mode == "zero3" else 1), "buckets": _deepspeed_buckets(mode),
                       "encoders": encoders}
             # the step: the fp32 gradients of this rank's partition and the optimizer's temporaries
-            floor = max(4 * T / n + adam_temp, ema_temp / (n if mode == "zero3" else 1))
+            # ZeRO-3's EMA (imba.training.ema.PartitionedEMA): its slices cast to fp32, then their difference
+            floor = max(4 * T / n + adam_temp, 2 * 4 * P / n if mode == "zero3" else ema_temp)
             plans.append(ModePlan(mode, ckpt, states, profile, False, floor, grid, grid_parts))
     return plans
 
