@@ -221,7 +221,7 @@ def _cached_copies(paths: list[str], stats: dict[str, Any], cached: dict[str, di
         if not entry or not entry.get("checksum") or entry.get("error"):
             continue
         fingerprint = {k: entry[k] for k in ("filesize", "etag", "checksum")}
-        if cache.cached(path, fingerprint) and remote_checksum(cache._name(path, fingerprint)) == entry["checksum"]:
+        if cache.cached(path, fingerprint) and remote_checksum(cache._name(path, fingerprint), entry["checksum"]) == entry["checksum"]:
             found[path] = {k: entry[k] for k in ("filesize", "etag")}
     if down:
         log.warning("data: the store did not answer for %d of %d shards (%s); %d of them read from their complete "

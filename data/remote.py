@@ -8,7 +8,7 @@ instance role; an S3-compatible store on premises by `AWS_ENDPOINT_URL`). This m
 none can reach a log, a checkpoint or config.yaml.
 
 A shard is identified by its URL and its *fingerprint*: its size and, where the store gives one, its ETag
-(`stat`), and, once indexed, the checksum of its bytes (`checksum`, BLAKE2b of the whole file). The index
+(`stat`), and, once indexed, the checksum of its bytes (`checksum`: xxh3-128 of the whole file). The index
 (`data.index`) keeps the fingerprint of every shard it scanned; a shard whose size or ETag changed is scanned again
 when the index is loaded, and one that changes during a run is refused (`ShardChanged`, counted as an unreadable
 shard), never read against a stale index.
@@ -54,6 +54,12 @@ log = logging.getLogger(__name__)
 BACKOFF_S = 0.2  # first wait between attempts; doubled after each
 BACKOFF_MAX_S = 5.0
 CHUNK = 1 << 20  # bytes hashed at a time
+try:  # the shards' checksum: xxh3 hashes at memory speed (bench/remote_faults.md); BLAKE2b where xxhash is missing
+    import xxhash  # noqa: F401
+
+    CHECKSUM = "xxh3_128"
+except ImportError:  # pragma: no cover - xxhash comes with imba-dit[remote]
+    CHECKSUM = "blake2b"
 RESERVATION_POLL_S = 0.05  # how often a download waits for others in flight to make room in a full cache
 T = TypeVar("T")
 _COUNTS = threading.Lock()  # the download counters of caches that index threads share
@@ -292,9 +298,24 @@ def read_json(url: str) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def checksum(source: str | int) -> str:
-    """"blake2b:<hex>" of the whole file `source` (a path, or an open descriptor read with pread: its offset stays)."""
-    digest = hashlib.blake2b(digest_size=16)
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError as err:
+            raise ImportError("the shard index was made with xxh3_128 checksums: pip install xxhash (or delete the "
+                              "index to re-index)") from err
+        return xxhash.xxh3_128()
+    if algorithm == "blake2b":
+        return hashlib.blake2b(digest_size=16)
+    raise ValueError(f"unknown shard checksum {algorithm!r}: delete the index to re-index")
+
+
+def checksum(source: str | int, like: str | None = None) -> str:
+    """"<algorithm>:<hex>" of the whole file `source` (a path, or an open descriptor read with pread: its offset
+    stays), with the algorithm of the checksum `like` (to compare with it), else `CHECKSUM`."""
+    algorithm = like.split(":", 1)[0] if like else CHECKSUM
+    digest = _hasher(algorithm)
     fd = os.open(source, os.O_RDONLY) if isinstance(source, str) else source
     try:
         offset = 0
@@ -304,7 +325,7 @@ def checksum(source: str | int) -> str:
     finally:
         if isinstance(source, str):
             os.close(fd)
-    return f"blake2b:{digest.hexdigest()}"
+    return f"{algorithm}:{digest.hexdigest()}"
 
 
 def _download(url: str, dest: str, expected: dict[str, Any], budget: StoreBudget) -> str:
@@ -323,7 +344,7 @@ def _download(url: str, dest: str, expected: dict[str, Any], budget: StoreBudget
         # a short body is a fault of the transfer (retried); one of another size is another object: refused
         raise (ShortBody if os.path.getsize(dest) < expected["filesize"] else ShardChanged)(
             f"{url}: read {os.path.getsize(dest)} bytes, the index has {expected['filesize']}")
-    found = checksum(dest)
+    found = checksum(dest, expected.get("checksum"))
     if expected.get("checksum") and found != expected["checksum"]:
         raise ChecksumMismatch(f"{url}: downloaded bytes with checksum {found}, the index has {expected['checksum']}")
     return found
@@ -367,7 +388,7 @@ class ShardCache:
     def checksum(self, url: str, fingerprint: dict[str, Any], fd: int) -> str:
         """The checksum of the cached copy of `url` open as `fd`: remembered from its download in this process, else
         read from the copy."""
-        return self._checksums.get(self._name(url, fingerprint)) or checksum(fd)
+        return self._checksums.get(self._name(url, fingerprint)) or checksum(fd, fingerprint.get("checksum"))
 
     def path(self, url: str, fingerprint: dict[str, Any]) -> str:
         """The local copy of `url` as of `fingerprint` ({"filesize", "etag"} and, once indexed, "checksum"),
