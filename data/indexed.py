@@ -18,6 +18,9 @@ reshuffling everything after it, which would make resume depend on decoding.
 Bad shards are counted once (`stats.shards_bad`) and named in a warning: a truncated or corrupt tar keeps the
 samples before the damage (noted in the index, counted when a loader is built); a shard that cannot be opened, at
 indexing or at reading time, contributes no samples (at reading time its indices are passed over as one block).
+More than `data.max_bad_shards` of the shards unreadable stops the reader in one line (`TooManyBadShards`); a store
+that answers nothing for `data.store_timeout` is not a bad shard but `data.remote.StoreUnreachable`, which the
+reader lets through (from its loader's workers too) for the run to checkpoint and end.
 """
 
 from __future__ import annotations
