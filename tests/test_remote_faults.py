@@ -285,3 +285,32 @@ def test_the_caption_check_reads_remote_shards_through_the_cache(local, store, t
     proxy.set("error", path="synthetic-000000")  # a shard the store does not give: its captions skipped
     fresh = ShardCache(tmp_path / "fresh", budget=FAST)
     assert sample_captions([urls], "caption", per_source=3, cache=fresh) == want[6:9]
+
+
+@pytest.mark.parametrize("mode", ["hang", "refuse"])
+def test_an_http_store_that_hangs_or_refuses_is_found_dead_within_its_deadline(local, tmp_path, monkeypatch, mode):
+    from remote_servers import HTTPServer
+
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    server = HTTPServer(os.path.dirname(local[0]))
+    proxy = FaultProxy(server.url)
+    url = f"{proxy.url}/{os.path.basename(local[0])}"
+    found = []
+    try:
+        assert remote.stat(url, FAST)["filesize"] == os.path.getsize(local[0])
+        proxy.set(mode)
+
+        def ask():
+            try:
+                remote.stat(url, FAST)
+            except StoreUnreachable as exn:
+                found.append(str(exn))
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(timeout=60)
+        assert not asking.is_alive(), "timed out: the HTTP client waited past the store's deadline"
+    finally:
+        proxy.close()
+        server.close()
+    assert len(found) == 1 and found[0].startswith(f"{url}: store unreachable for 1 s (stat {url}: ")
