@@ -97,7 +97,8 @@ PSI_1B = 995_309_008  # the 1b preset's parameters (models.dit.count_parameters)
 
 def test_the_1b_plan_with_checkpointing_under_zero2_on_fake_tensors():
     """configs/1b_256.yaml traced without allocating its 1B parameters: the EMA whole in fp32 on a ZeRO-2 rank,
-    AdamW's states partitioned, the activations per sample of bf16 weights with checkpointing, a grid on rank 0 that holds at least its bf16 EMA copy, and a micro-batch that fits 80 GiB."""
+    AdamW's states partitioned, the activations per sample of bf16 weights with checkpointing, a grid on rank 0
+    that holds at least its bf16 EMA copy, and a micro-batch that fits 80 GiB."""
     cfg = load_config(["--config", "configs/1b_256.yaml"])
     (zero2,) = plan.plan_run(cfg, 8, plan.encoder_sizes(cfg), modes=("zero2",), checkpointing=(True,))
     assert zero2.states["ema"] == 4 * PSI_1B and zero2.states["optimizer"] == 12 * PSI_1B / 8

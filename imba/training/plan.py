@@ -377,9 +377,10 @@ def plan_run(cfg: Config, gpus: int, sizes: EncoderSizes | None = None, modes=MO
     mp = cfg.train.mixed_precision
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
     half_bytes = 2 if half else 4
-    vae_weights, decode = vae_decode_bytes(cfg, sizes, max(len(cfg.sample.prompts), 1))
+    prompts = max(len(cfg.sample.prompts), 1)
+    vae_weights, decode = vae_decode_bytes(cfg, sizes, prompts)
     encoders = _text_encoder_bytes(cfg) + vae_weights if online else 0.0
-    grid_rows = 2 * max(len(cfg.sample.prompts), 1) if cfg.sample.guidance_scale > 1 else max(len(cfg.sample.prompts), 1)
+    grid_rows = 2 * prompts if cfg.sample.guidance_scale > 1 else prompts  # guided: conditional + null rows
     sampling = sampling_bytes(cfg, sizes, half or torch.float32, grid_rows)
     # the EMA copy in the training dtype; the VAE loaded for the grid unless it is already there; then the sampling
     # passes and the decode, one after the other
@@ -471,7 +472,8 @@ def format_plan(cfg: Config, plans: list[ModePlan], gpus: int, gpu_memory: float
         s = p.states
         lines.append(f"| {p.mode} | {'on' if p.checkpointing else 'off'} | {_gib(s['parameters'])} | "
                      f"{_gib(s['gradients'])} | {_gib(s['optimizer'])} | {_gib(s['ema'])} | {_gib(s['buckets'])} | "
-                     f"{_gib(s['encoders'])} | {_gib(p.step.activations_per_sample)} | {_gib(p.step_at(b))} | {_gib(p.peak(b))} | {_gib(p.grid)} | "
+                     f"{_gib(s['encoders'])} | {_gib(p.step.activations_per_sample)} | {_gib(p.step_at(b))} | "
+                     f"{_gib(p.peak(b))} | {_gib(p.grid)} | "
                      f"{_gib(p.peak(b, rank0=True))} |")
     lines += ["", f"largest micro-batch that fits {_gib(gpu_memory)} GiB (peak × {1 + ALLOCATOR_MARGIN:.2f} for the "
               f"allocator, + {_gib(CUDA_CONTEXT_BYTES)} GiB CUDA context; 0 = not one sample):", "",
@@ -482,8 +484,10 @@ def format_plan(cfg: Config, plans: list[ModePlan], gpus: int, gpu_memory: float
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plans[0].grid_parts.items())
     lines += ["", f"grid on rank 0 ({len(cfg.sample.prompts)} prompts): {parts} GiB (the larger of the last two)."]
     lines += ["", "\"step\": what one micro-step adds at its peak (activations, temporaries, autocast's weight "
-              "copies; under DDP the fp32 gradients it holds until the optimizer step). Not counted: the data "
-              "loader's pinned buffers, torch.compile's workspaces."]
+              "copies; under DDP the fp32 gradients it holds until the optimizer step), or the optimizer's and the "
+              "EMA's update when more. Not counted: the data loader's pinned buffers, torch.compile's workspaces"
+              + (", the online encoders' pass (T5 and VAE encode the batch before the DiT's step)." if online
+                 else ".")]
     return "\n".join(lines)
 
 
