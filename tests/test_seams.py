@@ -140,6 +140,7 @@ def test_the_run_map_carries_the_counters_and_a_hooks_per_rank_state_in_each_ran
 
     for rank, expected in ((0, 5), (1, 7), (2, 0)):  # rank 2 was not in the saving run: it starts fresh
         monkeypatch.setattr(Accelerator, "process_index", property(lambda self, rank=rank: rank))
+        monkeypatch.setattr(Accelerator, "is_main_process", property(lambda self, rank=rank: rank == 0))
         mine.n, shared.n, state.step, state.samples, state.data = 0, 0, 0, 0, None
         capsys.readouterr()
         load_checkpoint(accelerator, saved)
@@ -205,6 +206,22 @@ def test_a_shard_rewritten_in_place_at_the_same_size_changes_the_fingerprint_the
     assert recorded() != before
 
 
+@pytest.mark.parametrize("balance", ["none", "temperature"])
+def test_the_streams_order_follows_the_runs_seed(tmp_path, balance):
+    # the order the saved position counts in is a function of train.seed: a seed that does not reach the order
+    # would give every run (and every resume after a refused seed change) one and the same order
+    shards = write_synthetic_shards(tmp_path / "a", num_samples=24, samples_per_shard=8, resolution=32, seed=3)
+    d = load_config(["data.resolution=32", "data.batch_size=8", f"data.balance={balance}"]).data
+
+    def first_batch(seed: int) -> list[int]:
+        loader = make_stream(d, Accelerator(cpu=True), [Source("a", shards)], seed=seed, samples_done=0,
+                             manifest=None, bucket_divisor=16, plan_folder=tmp_path / "plan").loader
+        return [int(i) for i in next(iter(loader))["indices"]]
+
+    assert first_batch(3) == first_batch(3) != first_batch(4)
+    assert first_batch(0) != first_batch(4)
+
+
 # ---- the online balancer credits the rows the step scored, at their noise level ------------------------------------
 
 def test_the_plain_losss_scored_rows_reach_the_balance_with_their_own_samples_and_noise_levels(monkeypatch):
@@ -222,7 +239,8 @@ def test_the_plain_losss_scored_rows_reach_the_balance_with_their_own_samples_an
     monkeypatch.setattr(balancer.balance, "observe", lambda i, d, t: (seen.append((i, d, t)), real(i, d, t)))
     indices = [5, 9, 2, 7, 11, 3, 8, 1]
     null = (torch.zeros(8, 3, 5), torch.ones(8, 3))
-    balancer.observe(indices, {}, lambda noisy, t, embeds, mask: torch.zeros_like(noisy), noised, null)
+    hooks = Hooks(Accelerator(cpu=True), [balancer])  # as the training step calls it, at its micro_batch point
+    hooks.micro_batch(1, {"indices": indices}, {}, lambda noisy, t, embeds, mask: torch.zeros_like(noisy), noised, null)
     balancer.flush()
     [(rows, distance, level)] = seen
     assert list(rows) == [5, 9, 2, 7]  # the first half of the rows: the ones the unconditional pass scored
