@@ -44,12 +44,13 @@ from imba.training.hooks import Hooks
 from imba.training.inputs import (check_data, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
 from imba.training.metrics import ConceptBuckets, DrawLog, MetricWindow, StepLog, reduce_over_ranks
-from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
+from imba.training.preemption import PreemptionHandler
 from imba.training.resume import continue_stream, plan_resume, restore
 from imba.training.run_folder import RunFolder
 from imba.training.sampling import GridSampler, prompts_from_data
 from imba.training.setting_changes import check_resumed_settings
 from imba.training.step import TrainStep
+from imba.training.step_batches import StepBatches
 from imba.training.text_check import check_captions_readable
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings
@@ -122,7 +123,8 @@ def main(argv: list[str]) -> int:
     # the loader continues at that position (weighted stream: the same draws on any process count)
     loader = make_loader(cfg, accelerator, sources, position, manifest,
                          bucket_divisor=features.vae_scale * dit.config.patch_size, balancer=balancer)
-    batches = iter(loader)
+    # each optimizer step's micro-batches, read before the step: a store that died is agreed on between steps
+    batches = StepBatches(iter(loader), accelerator.gradient_accumulation_steps)
     data_stats = reader_stats(loader)  # bad samples are skipped and counted, never fatal
     state.data = check_data(accelerator, loader, state.data)  # said in a line when a resume's data changed
 
@@ -154,15 +156,18 @@ def main(argv: list[str]) -> int:
     train_step = TrainStep(accelerator, wrapped, optimizer, lr_scheduler, loss_fn, predict_fn, hooks, guard,
                            cfg.optim.grad_clip)
 
+    batches.fetch()
+    # before the first step: only unreadable data stops the run here (a signal is heeded after a step)
+    if preemption.should_stop(accelerator, cannot_read=batches.failure is not None, heed_signal=False):
+        return finish(preemption.requeue(accelerator, batches.failure, state.step, saved=False))
     while clock.running:
-        batch = next(batches)
-        latents, cond = features.encode_batch(batch, device)
-        noised = objective.noise(latents)
-        # loss, hooks, backward; at an accumulation's end: clip, the guard's decision, optimizer and schedule steps
-        stats, skip = train_step(clock.next_step, batch, noised, cond, features.null_like(latents.shape[0]))
-        window.add(stats)
-        if (end := clock.micro_batch_done(accelerator.sync_gradients, skip)) is None:
-            continue  # a micro-step of gradient accumulation; the optimizer has not stepped yet
+        for batch in batches:  # this optimizer step's micro-batches (gradient accumulation)
+            latents, cond = features.encode_batch(batch, device)
+            noised = objective.noise(latents)
+            # loss, hooks, backward; at an accumulation's end: clip, the guard's decision, optimizer and schedule
+            stats, skip = train_step(clock.next_step, batch, noised, cond, features.null_like(latents.shape[0]))
+            window.add(stats)
+            end = clock.micro_batch_done(accelerator.sync_gradients, skip)  # None until the optimizer stepped
 
         log.advance()
         step, last = end.step, end.last
@@ -178,7 +183,9 @@ def main(argv: list[str]) -> int:
         if end.log or val:
             log.write(step, reduce_over_ranks(accelerator, window.means() | hooks.means()) | val | {
                 "lr": lr_scheduler.get_last_lr()[0], "ema_decay": ema.cur_decay_value, "nonfinite_steps": guard.skipped})
-        preempted = preemption.should_stop(accelerator) and not last
+        if not last:
+            batches.fetch()  # the next step's micro-batches, so a rank that cannot read them says so now
+        preempted = preemption.should_stop(accelerator, cannot_read=batches.failure is not None) and not last
         saving = end.saving(preempted)
         if diverged := guard.divergence(saving, dit, ema):  # nothing of it is saved
             accelerator.print(f"error: {diverged_message(diverged, step, newest_intact(checkpoint_root))}")
@@ -190,9 +197,7 @@ def main(argv: list[str]) -> int:
             if not last and not preempted:
                 hooks.between_steps(step, dit, ema)  # e.g. a sample grid
         if preempted:
-            accelerator.print(f"pre-empted: checkpoint at step {step} saved; exiting with {REQUEUE_EXIT_CODE} "
-                              "so the job is requeued (it resumes from the latest checkpoint)")
-            return finish(REQUEUE_EXIT_CODE)
+            return finish(preemption.requeue(accelerator, batches.failure, step, saved=True))
     log.close()
 
     print(f"rank {accelerator.process_index}/{accelerator.num_processes}: parameters {parameter_digest(dit)}"

@@ -3,8 +3,10 @@
 SLURM sends SIGUSR1 (`#SBATCH --signal=B:USR1@180`, forwarded by our batch scripts) or SIGTERM before it kills a
 job. The handler only sets a flag; the loop checks it after each optimizer step, and all ranks agree through one
 tiny collective (a rank whose signal arrived late would otherwise keep training while the others save).
-The process then exits with `REQUEUE_EXIT_CODE`. `accelerate launch` reports a failed worker as 1, so
-`launch/slurm/node_launch.sh` restores the 75 after a forwarded signal, and the sbatch scripts requeue the job.
+The process then exits with `REQUEUE_EXIT_CODE`. A rank whose next batches cannot be read (its object store is
+unreachable, `imba.training.step_batches`) asks for the same stop through the same collective. `accelerate launch`
+reports a failed worker as 1, so `launch/slurm/node_launch.sh` restores the 75 after a forwarded signal, and the
+sbatch scripts requeue the job.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 class PreemptionHandler:
     def __init__(self, signals=SIGNALS) -> None:
         self.received: int | None = None
+        self.why: str | None = None  # what every rank agreed on at the last `should_stop`, for the closing line
         self._previous = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -28,10 +31,24 @@ class PreemptionHandler:
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
 
-    def should_stop(self, accelerator: Accelerator) -> bool:
-        """True on every rank as soon as any rank has received a signal (one small gather per call)."""
-        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=accelerator.device)
-        return bool(accelerator.gather(flag).max().item() > 0)
+    def should_stop(self, accelerator: Accelerator, cannot_read: bool = False, heed_signal: bool = True) -> bool:
+        """True on every rank as soon as any rank has received a signal (unless not `heed_signal`), or cannot read
+        its next batches (`cannot_read`: its store is unreachable); one small gather per call."""
+        signal_now = heed_signal and self.received is not None
+        flags = torch.tensor([[signal_now, cannot_read]], dtype=torch.float32, device=accelerator.device)
+        signalled, unreadable = (accelerator.gather(flags).amax(dim=0) > 0).tolist()
+        self.why = "pre-empted" if signalled else "stopped: the data of a rank cannot be read" if unreadable else None
+        return self.why is not None
+
+    def requeue(self, accelerator: Accelerator, failure: str | None, step: int, saved: bool) -> int:
+        """Says why every rank stops and returns `REQUEUE_EXIT_CODE`. `failure`: this rank's unreadable data (its
+        one `error:` line, printed by the rank that met it); `saved`: whether a checkpoint of `step` was written."""
+        if failure is not None:
+            print(f"error: {failure}", flush=True)
+        done = f"checkpoint at step {step} saved" if saved else f"nothing trained after step {step}"
+        accelerator.print(f"{self.why}: {done}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued (it resumes "
+                          "from the latest checkpoint)")
+        return REQUEUE_EXIT_CODE
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
