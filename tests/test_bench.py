@@ -27,15 +27,114 @@ def test_cpu_step_time_benchmark_prints_all_modes():
     assert "| plain | " in out and "1.00×" in out
 
 
+GPU_CHECK_PARTS = ["install", "imports", "sdpa", "eager", "compiled", "eager_ckpt", "px512", "grid", "compiled_ckpt"]
+
+
 @pytest.mark.slow
-def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
-    results = tmp_path / "results.md"
-    out = run("gpu_benchmark.py", "--device", "cpu", "--preset", "tiny", "--resolution", "64", "--steps", "1",
-              "--warmup", "0", "--no-flop-check", "--out", str(results))
-    table = out.strip().splitlines()[-5:]
-    assert table[0].startswith("| mode | batch | step ms")
-    assert [row.split("|")[1].strip() for row in table[2:]] == ["plain", "literal", "efficient"]
-    assert "| mode | batch |" in results.read_text()
+def test_gpu_benchmark_times_the_trainers_step_and_ema_on_a_loader(tmp_path, monkeypatch):
+    """In this process, so that the trainer's own TrainStep and EMA update are seen being called, once per step."""
+    from accelerate.state import AcceleratorState
+    from diffusers.training_utils import EMAModel
+
+    from imba.training.step import TrainStep
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    calls = {"step": 0, "ema": 0}
+    step_call, ema_step = TrainStep.__call__, EMAModel.step
+
+    def counted_step(self, *args, **kwargs):
+        calls["step"] += 1
+        return step_call(self, *args, **kwargs)
+
+    def counted_ema(self, *args, **kwargs):
+        calls["ema"] += 1
+        return ema_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainStep, "__call__", counted_step)
+    monkeypatch.setattr(EMAModel, "step", counted_ema)
+    import gpu_benchmark
+
+    results, table = tmp_path / "results.json", tmp_path / "results.md"
+    try:
+        assert gpu_benchmark.main(["--device", "cpu", "--preset", "tiny", "--resolution", "64", "--steps", "2",
+                                   "--warmup", "1", "--no-flop-check", "--text-tokens", "12", "--caption-channels",
+                                   "64", "--samples", "16", "--features", str(tmp_path / "features"),
+                                   "--json", str(results), "--out", str(table)]) == 0
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert calls == {"step": 9, "ema": 9}  # 3 modes × (1 warm-up + 2 timed steps), none skipped
+    r = json.loads(results.read_text())
+    assert r["kernels"] == {"adamw": {"fused": None, "foreach": True}, "ema_foreach": True}
+    rows = {row["mode"]: row for row in r["results"]}
+    assert list(rows) == ["plain", "literal", "efficient"]
+    for row in rows.values():
+        assert row["batch"] == 4 and row["steps"] == 2 and row["skipped_steps"] == 0 and row["peak_bytes"] is None
+        assert row["images_per_s"] == pytest.approx(4 / row["median_s"], rel=1e-12)
+        assert min(row["step_median_s"], row["loader_median_s"], row["input_median_s"]) > 0
+        assert 0 < row["mfu"] < 1 and row["tflops"] == pytest.approx(row["mfu"] * 989, rel=1e-12)
+    assert rows["plain"]["ratio_vs_plain"] == 1.0
+    assert r["ratios"] == {"literal_vs_plain": rows["literal"]["ratio_vs_plain"],
+                           "efficient_vs_plain": rows["efficient"]["ratio_vs_plain"]}
+    # a plain step is 3 forward passes of B rows, literal IMBA 6, efficient 3 + λ = 3.9 in expectation
+    flops = {m: row["tflops"] * row["median_s"] for m, row in rows.items()}
+    assert flops["literal"] / flops["plain"] == pytest.approx(2.0) and flops["efficient"] / flops["plain"] == \
+        pytest.approx(1.3)
+    written = table.read_text()
+    assert "| mode | batch | images/s | step ms | loader wait ms | input ms |" in written and "| n/a |" in written
+
+
+def gpu_check(tmp_path, **env):
+    environment = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_OUT": str(tmp_path / "out"),
+                   "GPU_CHECK_WORK": str(tmp_path / "work"), **env}
+    try:
+        proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--cpu"], cwd=tmp_path, env=environment,
+                              capture_output=True, text=True, timeout=3600)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError("bench/gpu_check.sh --cpu timed out after an hour") from err
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    rows = [line.split("\t") for line in (out / "parts.tsv").read_text().splitlines()]
+    assert rows[0] == ["part", "status", "seconds", "budget"]
+    assert [row[0] for row in rows[1:]] == GPU_CHECK_PARTS
+    return out, {row[0]: row[1] for row in rows[1:]}
+
+
+def test_gpu_check_skips_the_parts_its_budget_leaves_no_time_for(tmp_path):
+    out, status = gpu_check(tmp_path, GPU_CHECK_BUDGET="3")
+    assert set(status.values()) == {"skipped: the 3 s budget is spent"}
+    summary = (out / "gpu_check.md").read_text()
+    assert "| grid | skipped: the 3 s budget is spent | 0 | 90 |" in summary
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_every_part_in_its_cpu_mode(tmp_path):
+    # a busy machine: five times each part's budget, and time for all of them
+    out, status = gpu_check(tmp_path, GPU_CHECK_SCALE="5", GPU_CHECK_BUDGET="3000")
+    assert status == dict.fromkeys(GPU_CHECK_PARTS, "ok"), status
+    assert "nothing to install" in (out / "install.log").read_text()
+    imports = json.loads((out / "imports.json").read_text())
+    assert imports["train.py imports"] == "ok" and not any("FAILED" in v for v in imports["modules"].values())
+    roles = {c["role"]: c for c in json.loads((out / "sdpa.json").read_text())["calls"]}
+    cross = roles["cross-attention (caption mask)"]
+    assert cross["key_tokens"] == 12 and cross["mask"] and cross["dispatched_ops"]
+    assert cross["forced_backends"]["MATH"] == "runs" and "self-attention" in roles
+    for name, modes in [("eager", ["plain", "efficient", "literal"]), ("compiled", ["plain", "efficient", "literal"]),
+                        ("eager_ckpt", ["plain", "efficient", "literal"]), ("px512", ["efficient"]),
+                        ("compiled_ckpt", ["plain", "efficient", "literal"])]:
+        r = json.loads((out / f"{name}.json").read_text())
+        assert [row["mode"] for row in r["results"]] == modes
+        assert r["settings"]["gradient_checkpointing"] == name.endswith(("ckpt", "512"))
+        assert r["settings"]["compile"] == name.startswith("compiled") and r["compiled"] is False  # CPU mode
+    assert json.loads((out / "px512.json").read_text())["settings"]["resolution"] == 128
+    grid = json.loads((out / "grid.json").read_text())
+    assert grid["exit_code"] == 0 and "samples/step_0000002.png" in grid["grid_images"]
+    assert [g["step"] for g in grid["grids"] if g["seconds"] > 0.01] == [2]
+    assert not (tmp_path / "work" / "grid_run").exists()  # the grid run's checkpoint and export are deleted
+    summary = (out / "gpu_check.md").read_text()
+    for heading in ("| part | status |", "## SDPA kernels", "## Training step", "## Grid at step 2"):
+        assert heading in summary
 
 
 @pytest.mark.slow
