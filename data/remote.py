@@ -63,6 +63,7 @@ except ImportError:  # pragma: no cover - xxhash comes with imba-dit[remote]
 RESERVATION_POLL_S = 0.05  # how often a download waits for others in flight to make room in a full cache
 T = TypeVar("T")
 _COUNTS = threading.Lock()  # the download counters of caches that index threads share
+_DEAD: dict[str, float] = {}  # stores found unreachable in this process: until when they are asked only once
 # client errors that mean no answer came (refused, reset, timed out), by class name: the clients' own types
 # (botocore, aiohttp) are not imported here, and fsspec's HTTP client wraps them in a FileNotFoundError
 _NO_ANSWER = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
@@ -191,17 +192,30 @@ def _no_answer(exn: BaseException) -> bool:
     return False
 
 
+def _store(url: str) -> str:
+    """What a store is known by for `_DEAD`: the endpoint and bucket, or the host."""
+    scheme, _, rest = url.partition("://")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "") if scheme == "s3" else ""
+    return f"{endpoint}|{scheme}://{rest.split('/', 1)[0]}"
+
+
 def _retried(what: str, call: Callable[[], T], budget: StoreBudget = DEFAULT_BUDGET, url: str = "") -> T:
     """`call()` within `budget`, waits doubling from BACKOFF_S to BACKOFF_MAX_S, each retry a WARNING. An error
     answer counts against `budget.attempts` (RemoteReadError naming `what` when they are spent); no answer at all is
-    retried until `budget.timeout_s` has passed since the first try (StoreUnreachable naming `url`). A refused
+    retried until `budget.timeout_s` has passed since the first try (StoreUnreachable naming `url`), and for the next
+    `timeout_s` that store is asked once per read, not waited for again (a start-up with the store down reaches
+    the cached copies after one deadline, not one per file). A refused
     permission, a changed shard and a missing client are not retried (they will not change)."""
-    deadline = time.monotonic() + budget.timeout_s
+    store = _store(url)
+    dead = _DEAD.get(store, 0.0) > time.monotonic()  # found dead lately: asked once, not waited for again
+    deadline = time.monotonic() + (0.0 if dead else budget.timeout_s)
     wait, errors, attempt = BACKOFF_S, 0, 0
     while True:
         attempt += 1
         try:
-            return call()
+            found = call()
+            _DEAD.pop(store, None)
+            return found
         except (PermissionError, ShardChanged, ImportError):
             raise
         except Exception as exn:  # the clients raise their own types (aiohttp, botocore) for network faults
@@ -212,8 +226,10 @@ def _retried(what: str, call: Callable[[], T], budget: StoreBudget = DEFAULT_BUD
             if not silent and errors >= budget.attempts or left <= 0 and not silent:
                 raise RemoteReadError(f"{what}: {cause} (after {attempt} attempts)") from exn
             if left <= 0:
+                _DEAD[store] = time.monotonic() + budget.timeout_s
                 raise StoreUnreachable(f"{url or what}: store unreachable for {budget.timeout_s:g} s ({what}: "
-                                       f"{cause}; {attempt} attempts)") from exn
+                                       f"{cause}; {attempt} attempts{'; found dead before' if dead else ''})"
+                                       ) from exn
             log.warning("%s failed (%s), attempt %d (%s); retrying in %.1f s", what, cause[:120], attempt,
                         f"{errors} of {budget.attempts} error answers" if not silent else
                         f"no answer; {left:.0f} s left of data.store_timeout={budget.timeout_s:g}", min(wait, left))
@@ -221,16 +237,15 @@ def _retried(what: str, call: Callable[[], T], budget: StoreBudget = DEFAULT_BUD
             wait = min(wait * 2, BACKOFF_MAX_S)
 
 
-def glob(spec: str, budget: StoreBudget | None = None, listings: str | None = None) -> list[str]:
+def glob(spec: str, budget: StoreBudget | None = None) -> list[str]:
     """The shards a remote glob names (`s3://bucket/shards/*.tar`), sorted, as the store lists them (an HTTP server
-    lists a folder only where it serves a page of links to its files; [] otherwise). Each listing is kept in
-    `listings` (default `<default_cache_dir()>/listings`): when the store does not answer, the last one is used, said
-    in one line, so that a restart with the store down can read the cached shards."""
+    lists a folder only where it serves a page of links to its files; [] otherwise). Each listing is kept
+    in `<default_cache_dir()>/listings`: when the store does not answer, the last one is used, said in one line, so
+    that a restart with the store down can read the cached shards. `budget`: default `DEFAULT_BUDGET`."""
     budget = budget or DEFAULT_BUDGET  # looked up when called: a spec is expanded before any setting is read
     fs, path = filesystem(spec, budget)
     scheme = spec.split("://")[0]
-    kept = os.path.join(listings or os.path.join(default_cache_dir(), "listings"),
-                        hashlib.sha256(spec.encode()).hexdigest()[:20] + ".json")
+    kept = _kept("listings", spec)
     try:
         found = _retried(f"list {spec}", lambda: fs.glob(path), budget, spec)
     except (RemoteReadError, StoreUnreachable) as exn:
@@ -242,14 +257,7 @@ def glob(spec: str, budget: StoreBudget | None = None, listings: str | None = No
         return list(last["urls"])
     urls = sorted(p if "://" in p else f"{scheme}://{p}" for p in found)
     if urls:
-        try:
-            os.makedirs(os.path.dirname(kept), exist_ok=True)
-            part = f"{kept}.part-{os.getpid()}-{threading.get_ident()}"
-            with open(part, "w") as f:
-                json.dump({"spec": spec, "urls": urls}, f)
-            os.replace(part, kept)
-        except OSError as exn:  # a read-only home: no fallback listing, the run goes on
-            log.info("cannot keep the listing of %s in %s (%s)", spec, kept, exn)
+        _keep(kept, json.dumps({"spec": spec, "urls": urls}).encode())
     return urls
 
 
@@ -275,13 +283,44 @@ def stat(url: str, budget: StoreBudget = DEFAULT_BUDGET) -> dict[str, Any]:
     return _retried(f"stat {url}", lambda: _info(url, budget), budget, url)
 
 
-def read_bytes(url: str, budget: StoreBudget = DEFAULT_BUDGET) -> bytes:
-    """The whole (small) file at `url`, a local path or a URL: a precompute manifest or null text beside shards."""
+def _kept(kind: str, key: str) -> str:
+    """Where the last answer of the store for `key` (a listing, a small file) is kept, for when it does not answer."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", key.rsplit("/", 1)[-1])[-40:]
+    return os.path.join(default_cache_dir(), kind, f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{name}")
+
+
+def _keep(path: str, data: bytes) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        part = f"{path}.part-{os.getpid()}-{threading.get_ident()}"
+        with open(part, "wb") as f:
+            f.write(data)
+        os.replace(part, path)
+    except OSError as exn:  # a read-only home: no fallback copy, the run goes on
+        log.info("cannot keep a copy in %s (%s)", path, exn)
+
+
+def read_bytes(url: str, budget: StoreBudget | None = None) -> bytes:
+    """The whole (small) file at `url`, a local path or a URL: a precompute manifest or null text beside shards. Its
+    last copy is kept (`<default_cache_dir()>/files`) and read, said in one line, when the store does not answer."""
     if not is_indexable_remote(url):
         with open(url, "rb") as f:
             return f.read()
+    budget = budget or DEFAULT_BUDGET
     fs, path = filesystem(url, budget)
-    return _retried(f"read {url}", lambda: fs.cat_file(path), budget, url)
+    kept = _kept("files", url)
+    try:
+        fs.invalidate_cache(path)  # a listing cached by a glob would hide a file written since
+        data = _retried(f"read {url}", lambda: fs.cat_file(path), budget, url)
+    except (RemoteReadError, StoreUnreachable) as exn:
+        if not os.path.isfile(kept) or not isinstance(exn, StoreUnreachable):  # not a missing file's error answer
+            raise
+        log.warning("data: the store did not answer for %s (%s); using its last copy, %s", url, str(exn)[:200], kept)
+        with open(kept, "rb") as f:
+            return f.read()
+    _keep(kept, data)
+    return data
+
 
 
 def read_json(url: str) -> dict | None:

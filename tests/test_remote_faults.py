@@ -134,12 +134,19 @@ def test_a_restart_with_the_store_down_reads_the_complete_cached_copies(local, s
     urls = server.upload("shards", "down", local)
     cache = ShardCache(tmp_path / "cache", budget=FAST)
     assert expand_urls("s3://shards/down/*.tar") == urls  # listed by the store, the listing kept
+    (tmp_path / "precompute.json").write_text('{"kind": "manifest"}')
+    server.upload("shards", "down", [str(tmp_path / "precompute.json")])
+    assert remote.read_json("s3://shards/down/precompute.json") == {"kind": "manifest"}  # its copy kept
     load_or_build_index(urls, cache=cache)  # every shard downloaded once, while the index is built
     want = keys_and_pixels(local)[1]
     proxy.set("refuse")
     caplog.set_level(logging.WARNING)
     assert expand_urls("s3://shards/down/*.tar") == urls  # the last listing, said in one line
     assert "data: the store did not answer the listing of s3://shards/down/*.tar" in caplog.text
+    # the store found dead once: the next reads ask once, without waiting for the deadline again
+    assert remote.read_json("s3://shards/down/precompute.json") == {"kind": "manifest"}
+    assert "using its last copy" in caplog.text
+    assert "read s3://shards/down/precompute.json failed" not in caplog.text  # no retry waited for
     index = load_or_build_index(urls, cache=cache)
     assert index.rescanned == [] and index.nsamples == [6] * 4
     assert same(keys_and_pixels(index)[1], want)
