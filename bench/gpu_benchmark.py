@@ -3,11 +3,13 @@
 What it times, per mode, is train.py's loop body, built by train.py's own builders from `configs/1b_256.yaml` (or
 --config) with the benchmark's settings as overrides:
 
-    batch = next(loader)                              make_loader over precomputed feature shards   → loader wait
+    batches.fetch()                                   StepBatches over make_loader's precomputed feature shards
+                                                      (one step's micro-batches, read before it)     → loader wait
     latents, cond = features.encode_batch(batch)      host → device copy of the latents and T5 states → input
     noised = objective.noise(latents)
     TrainStep(...)(step, batch, noised, cond, null)   loss, backward, clip, divergence guard, AdamW (build_optimizer:
-                                                      fused on CUDA) and its schedule, under accelerate's autocast
+                                                      fused on CUDA) and its schedule, under accelerate's autocast;
+                                                      its stats into a MetricWindow
     ema.step(dit.parameters())                        make_ema (diffusers EMAModel, foreach)        → step
 
 The feature shards are written once (`bench/real_size_features.py`: SD-VAE-shaped latent moments and T5-XXL-shaped
@@ -138,8 +140,10 @@ class TrainerBench:
         from imba.training.guard import DivergenceGuard
         from imba.training.hooks import Hooks
         from imba.training.inputs import make_loader, training_sources
+        from imba.training.metrics import MetricWindow
         from imba.training.resume import StreamPosition
         from imba.training.step import TrainStep
+        from imba.training.step_batches import StepBatches
 
         a, acc = self.args, self.accelerator
         cfg = config_for(a, mode, batch)
@@ -156,26 +160,35 @@ class TrainerBench:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        batches = iter(loader)
+        batches, window = StepBatches(iter(loader), cfg.train.grad_accum), MetricWindow()
         times: dict[str, list[float]] = {"loader": [], "input": [], "step": []}
         skipped = 0
         for n in range(1, a.warmup + a.steps + 1):
             self.sync()
             t0 = time.perf_counter()
-            got = next(batches)
-            t1 = time.perf_counter()
-            latents, cond = self.features.encode_batch(got, self.device)
-            self.sync()
-            t2 = time.perf_counter()
-            noised = self.objective.noise(latents)
-            _, skip = train_step(n, got, noised, cond, self.features.null_like(latents.shape[0]))
+            batches.fetch()  # the step's micro-batches, read before it as train.py reads them
+            if batches.failure:
+                raise SystemExit(batches.failure)
+            took = {"loader": time.perf_counter() - t0, "input": 0.0, "step": 0.0}
+            for got in batches:
+                t1 = time.perf_counter()
+                latents, cond = self.features.encode_batch(got, self.device)
+                self.sync()
+                t2 = time.perf_counter()
+                noised = self.objective.noise(latents)
+                stats, skip = train_step(n, got, noised, cond, self.features.null_like(latents.shape[0]))
+                window.add(stats)
+                self.sync()
+                took["input"] += t2 - t1
+                took["step"] += time.perf_counter() - t2
+            t3 = time.perf_counter()
             if not skip:
                 self.ema.step(self.dit.parameters())
             self.sync()
-            t3 = time.perf_counter()
+            took["step"] += time.perf_counter() - t3
             skipped += bool(skip)
             if n > a.warmup:
-                for part, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                for part, seconds in took.items():
                     times[part].append(seconds)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         whole = [sum(parts) for parts in zip(*times.values())]

@@ -30,7 +30,7 @@ for arg in "$@"; do
         *) echo "usage: bash bench/gpu_check.sh [--cpu]" >&2; exit 2 ;;
     esac
 done
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 RESULTS=${GPU_CHECK_OUT:-${OUT:-bench/gpu_results}}
 WORK=${GPU_CHECK_WORK:-bench/gpu_work}
 BUDGET=${GPU_CHECK_BUDGET:-480}
@@ -100,7 +100,8 @@ install_missing() {
         return 1
     fi
     echo "installing ${missing[*]} from $WHEELS/"
-    "$PY" -m pip install --no-index --find-links "$WHEELS" "${missing[@]}"
+    # an image's system Python may be marked externally managed (PEP 668): this machine is disposable
+    PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --no-index --find-links "$WHEELS" "${missing[@]}"
 }
 
 benchmark() {  # benchmark NAME [gpu_benchmark.py arguments]: the benchmark at this check's size
