@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -206,16 +207,23 @@ def test_a_shard_rewritten_in_place_at_the_same_size_changes_the_fingerprint_the
     assert recorded() != before
 
 
-@pytest.mark.parametrize("balance", ["none", "temperature"])
+@pytest.mark.parametrize("balance", ["none", "temperature", "imba"])
 def test_the_streams_order_follows_the_runs_seed(tmp_path, balance):
-    # the order the saved position counts in is a function of train.seed: a seed that does not reach the order
-    # would give every run (and every resume after a refused seed change) one and the same order
+    # the order the saved position counts in is a function of train.seed, through the run's own loader (the plain
+    # order, the plan's weighted order, the online balancer's): a seed that does not reach it gives every run one
+    # and the same order
     shards = write_synthetic_shards(tmp_path / "a", num_samples=24, samples_per_shard=8, resolution=32, seed=3)
-    d = load_config(["data.resolution=32", "data.batch_size=8", f"data.balance={balance}"]).data
+    out = tmp_path / "run"
 
     def first_batch(seed: int) -> list[int]:
-        loader = make_stream(d, Accelerator(cpu=True), [Source("a", shards)], seed=seed, samples_done=0,
-                             manifest=None, bucket_divisor=16, plan_folder=tmp_path / "plan").loader
+        cfg = load_config(["data.resolution=32", "data.batch_size=8", f"data.balance={balance}",
+                           f"data.shards={os.path.dirname(shards[0])}", f"train.output_dir={out}",
+                           f"train.seed={seed}"])
+        accelerator = Accelerator(cpu=True)
+        sources = training_sources(cfg, accelerator, out)
+        balancer = online_balancer(cfg, accelerator, sources, patch_size=4, num_train_timesteps=1000)
+        loader = make_loader(cfg, accelerator, sources, StreamPosition(0, 0), None, bucket_divisor=16,
+                             balancer=balancer)
         return [int(i) for i in next(iter(loader))["indices"]]
 
     assert first_batch(3) == first_batch(3) != first_batch(4)
@@ -269,6 +277,33 @@ def test_the_online_balancers_stream_position_counts_the_global_batch_of_every_p
     assert [balancer.position(step) for step in (3, 4, 6)] == [3 * per_step, 4 * per_step, 6 * per_step]
     # the stream is decided up to the next refresh (step 4) plus the lag, in the same positions
     assert balancer.order.known_until == (4 + balancer.lag) * per_step
+
+
+def test_a_resume_on_two_processes_counts_the_saved_window_of_the_online_balance_once(tmp_path):
+    # the run's balancer knows its rank (inputs.online_balancer): the saved window, every rank's observations summed,
+    # is carried on by rank 0 alone; on every rank it would count once per process at the next refresh
+    shards = write_synthetic_shards(tmp_path / "a", num_samples=20, samples_per_shard=8, resolution=32, seed=3)
+    cfg = load_config(["data.resolution=32", "data.batch_size=4", "data.balance=imba",
+                       f"data.shards={os.path.dirname(shards[0])}", f"train.output_dir={tmp_path}"])
+    accelerator = Accelerator(cpu=True)
+    sources = training_sources(cfg, accelerator, tmp_path)
+
+    def balancer_of_rank(rank: int):
+        accelerator.state.process_index = PartialState().process_index = rank
+        return online_balancer(cfg, accelerator, sources, patch_size=4, num_train_timesteps=1000)
+
+    saving = balancer_of_rank(0)
+    rows = torch.ones(6, 4)
+    saving.micro_batch(1, {"indices": [0, 1, 2, 3, 4, 5]}, {"distance_per_token": rows}, None,
+                       SimpleNamespace(timesteps=torch.arange(6) * 100), None)
+    state = saving.state_dict()
+    saved_rows = int(state["balance"]["window"]["bin_rows"].sum())
+    assert saved_rows == 6
+    resumed = [balancer_of_rank(rank) for rank in (0, 1)]
+    accelerator.state.process_index = PartialState().process_index = 0
+    for balancer in resumed:
+        balancer.load_state_dict(state)
+    assert [int(b.balance.window["bin_rows"].sum()) for b in resumed] == [saved_rows, 0]
 
 
 # ---- the promise table of docs/testing.md names tests that exist ------------------------------------------------
