@@ -297,6 +297,7 @@ def failing(clock, errors, then="ok"):
 
 
 def test_a_read_tries_error_answers_by_attempts_and_silence_until_the_deadline(monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_DEAD", {})
     clock = Clock()
     monkeypatch.setattr(remote.time, "monotonic", clock.monotonic)
     monkeypatch.setattr(remote.time, "sleep", clock.sleep)
@@ -323,6 +324,15 @@ def test_a_read_tries_error_answers_by_attempts_and_silence_until_the_deadline(m
     assert str(dead.value) == ("s3://b/x.tar: store unreachable for 3 s (stat s3://b/x.tar: ConnectionRefusedError: "
                                "refused; 6 attempts)")
     assert "(no answer; 1 s left of data.store_timeout=3); retrying in 0.6 s" in caplog.text
+    # found dead: for the next timeout_s the store is asked once per read, then once waited for again
+    call, calls = failing(clock, [ConnectionRefusedError("refused")] * 99)
+    with pytest.raises(remote.StoreUnreachable, match="1 attempts; found dead before"):
+        remote._retried("read s3://b/y.tar", call, budget, "s3://b/y.tar")
+    clock.now += 3.0
+    with pytest.raises(remote.StoreUnreachable, match=r"\(read s3://b/y.tar: ConnectionRefusedError: refused; 6 "
+                                                      r"attempts\)$"):
+        remote._retried("read s3://b/y.tar", call, budget, "s3://b/y.tar")
+    monkeypatch.setattr(remote, "_DEAD", {})
     # a hung connection: each try lasts the client's read timeout; the read ends within the deadline plus one
     hang = Clock(call_s=budget.request_timeout_s)
     monkeypatch.setattr(remote.time, "monotonic", hang.monotonic)
