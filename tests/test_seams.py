@@ -1,7 +1,9 @@
 """Promises that hold only where one module's output is consumed by another: the training step telling the guard
-every micro-batch's loss, the LoRA adapter export taking the EMA's adapters as the merged export does, the checkpoint
-map carrying a hook's per-rank state in each rank's own file, and the stream's fingerprint following a shard
-rewritten in place. Each test drives the real classes at tiny sizes (docs/testing.md, "What the tests promise")."""
+every micro-batch's loss, the guard's decision gathered over the ranks, the LoRA adapter export taking the EMA's
+adapters as the merged export does, the checkpoint map carrying the counters and a hook's per-rank state, the LR
+schedule's step count across process counts, the stream's fingerprint and order following the shards and the run's
+seed, and the online balancer's rows, positions and saved window. Each test drives the real classes at tiny sizes;
+the last one checks that the promise table of docs/testing.md ("What the tests promise") names tests that exist."""
 
 from __future__ import annotations
 
@@ -28,21 +30,20 @@ from data.stream import make_stream, reader_fingerprint
 from data.synthetic import write_synthetic_shards
 from data.weighted import expected_draws_to_units
 from imba.loss import token_distance
-from imba.training.balancing import OnlineBalancer
 from imba.training import checkpoints
+from imba.training.balancing import OnlineBalancer
+from imba.training.build import build_optimizer
 from imba.training.checkpoints import TrainState, load_checkpoint, register_state, save_checkpoint
 from imba.training.config import load_config
 from imba.training.ema import ema_weights_copy, make_ema
-from imba.training.guard import DivergenceGuard
 from imba.training.export import export_adapter
+from imba.training.guard import DivergenceGuard
 from imba.training.hooks import Hooks
 from imba.training.inputs import make_loader, online_balancer, training_sources
-from imba.training.build import build_optimizer
 from imba.training.resume import StreamPosition, rescale_schedule
 from models.lora import add_lora
 from tests.test_lora import TARGETS, out, perturb_adapters, tiny_dit
 from tests.test_train_step import batches, made
-
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,6 +103,7 @@ def test_the_adapter_export_takes_the_emas_adapters_as_the_merged_export_does(tm
     folder = export_adapter(tmp_path / "export", model, ema, cfg)
     adapter = PeftModel.from_pretrained(tiny_dit(), folder).get_base_model()  # the base with the exported adapters
     merged = ema_weights_copy(model, ema)  # the pipeline's transformer: the EMA's adapters merged
+    # float32 rounding of W + s·BA against the adapter's path; the live adapters' 0.2-sized moves are far outside
     torch.testing.assert_close(out(adapter), out(merged), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out(adapter), out(model), rtol=1e-3, atol=1e-3)  # the live adapters predict otherwise
 
