@@ -30,6 +30,12 @@ RES = 32
 SHARDS = 4
 
 
+@pytest.fixture(autouse=True)
+def own_cache_home(tmp_path, monkeypatch):
+    """The listings and small files kept for a store that does not answer go under the test's folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     folder = tmp_path_factory.mktemp("remote_local")
@@ -207,7 +213,7 @@ def test_the_cache_and_window_settings_are_read_and_checked_at_load(tmp_path):
                        "data.shards=s3://bucket/{0..3}.tar"])
     cache = cfg.data.cache()
     assert (cache.folder, cache.limit, cache.index_dir) == (str(tmp_path), 2 * 2**30, str(tmp_path / "index"))
-    assert ShardCache().folder.endswith(os.path.join(".cache", "imba-dit", "shards"))
+    assert ShardCache().folder == os.path.join(os.environ["XDG_CACHE_HOME"], "imba-dit", "shards")
     with pytest.raises(ConfigError, match="data.cache_limit: 'much' is not a size"):
         load_config(["data.cache_limit=much"])
     assert load_config(["data.shard_window=2", "data.balance=temperature"]).data.shard_window == 2

@@ -26,6 +26,12 @@ RES = 32
 FAST = StoreBudget(timeout_s=1.0, attempts=2)  # a dead store is found in a second
 
 
+@pytest.fixture(autouse=True)
+def own_cache_home(tmp_path, monkeypatch):
+    """The listings and small files kept for a store that does not answer go under the test's folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     folder = tmp_path_factory.mktemp("faults_local")

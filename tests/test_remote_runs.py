@@ -40,6 +40,7 @@ def store(tmp_path_factory):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     server = S3Server()
+    server.xdg = str(root / "xdg")
     small = made / "features" / "train-1-small"
     server.upload("features", "small", sorted(str(p) for p in small.iterdir() if p.is_file()))
     yield server, made / "features" / "train-0-big"
@@ -54,7 +55,8 @@ def run_args(big: Path, out: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def env(server: S3Server) -> dict:
-    return {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # XDG_CACHE_HOME: the listings and small files kept for a store that does not answer, under the test's folder
+    return {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": server.xdg}
 
 
 def run(args, cwd, server, processes: int = 1) -> str:
@@ -70,7 +72,7 @@ def run(args, cwd, server, processes: int = 1) -> str:
 def test_a_local_and_an_s3_source_balanced_on_2_then_1_process_with_a_kill_train_on_one_process_stream(
         store, tmp_path, monkeypatch):
     server, big = store
-    for key, value in server.env.items():
+    for key, value in {**server.env, "XDG_CACHE_HOME": server.xdg}.items():
         monkeypatch.setenv(key, value)  # kill_after_checkpoint's process reads the store too
     out, cache = tmp_path / "run", tmp_path / "cache"
     two = run(run_args(big, out, cache, "train.max_steps=3"), tmp_path, server, processes=2)
