@@ -9,11 +9,12 @@ from accelerate.state import AcceleratorState
 from imba.training import plan
 from imba.training.build import build_dit, build_optimizer, build_training_loss
 from imba.training.config import ConfigError, load_config
+from imba.training.distributed import run_predict
 from imba.training.ema import make_ema
 from imba.training.guard import DivergenceGuard
 from imba.training.hooks import Hooks
 from imba.training.step import TrainStep
-from models.dit import apply_speed_settings, predict
+from models.dit import apply_speed_settings
 
 BATCH = 8
 SMALL = ["--config", "configs/tiny.yaml", "model.preset=micro", "data.resolution=128"]
@@ -36,7 +37,7 @@ def measured_peak(cfg, sizes, batch: int) -> int:
             ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)
             loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=False)
             step = TrainStep(accelerator, wrapped, optimizer, schedule, loss_fn,
-                             lambda *a: predict(wrapped, *a, sizes.vae_scale), Hooks(accelerator),
+                             run_predict(wrapped, dit, sizes.vae_scale), Hooks(accelerator),
                              DivergenceGuard(accelerator, max_bad_steps=5), cfg.optim.grad_clip)
             for n in (1, 2):  # AdamW makes its states in the first step: the second is every later step's
                 counter.peak = counter.live
