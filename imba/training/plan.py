@@ -6,11 +6,12 @@ The run's own config is loaded (`load_config`), its own DiT built (`build_dit`) 
 loss (`build_training_loss`: the forward passes of its kind, the loss, the backward), with its gradient
 checkpointing and mixed precision, traced on fake tensors (`FakeTensorMode`: shapes and dtypes, no memory, no
 compute): `LiveTensorBytes` counts the bytes of the tensor storages alive after every operation. Two micro-batches
-give the activations per sample and what does not grow with the batch. The model states (parameters, gradients,
-AdamW's two fp32 states, the fp32 EMA, the communication buckets) follow from the parameter count, per distributed
-mode: DDP (accelerate's: fp32 weights under autocast), DeepSpeed ZeRO-2 and ZeRO-3 (launch/deepspeed/*.json: the
-model held in bf16, no autocast). Rank 0 also draws the sample grids: an EMA copy in the training dtype, the VAE
-and its decode, counted on top of the model states.
+give, at every allocation of the step, what a sample adds and what does not grow with the batch: the step's peak at
+any micro-batch follows (`StepProfile`). The model states (parameters, gradients, AdamW's two fp32 states, the fp32
+EMA, the communication buckets) follow from the parameter count, per distributed mode: DDP (accelerate's: fp32
+weights under autocast), DeepSpeed ZeRO-2 and ZeRO-3 (launch/deepspeed/*.json: the model held in bf16, no
+autocast). Rank 0 also draws the sample grids: an EMA copy in the training dtype, the VAE and its decode, counted on
+top of the model states.
 
 The planner predicts tensor bytes; the allocator's fragmentation and the CUDA context are the named assumptions
 below. Its prediction of a real step's peak on the CPU is tested (tests/test_plan.py).
@@ -140,7 +141,7 @@ def encoder_sizes(cfg: Config, caption_channels: int = 0) -> EncoderSizes:
         try:
             from diffusers import AutoencoderKL
             vae_config = dict(AutoencoderKL.load_config(m.vae, subfolder=m.vae_subfolder or None,
-                                                                   local_files_only=True))
+                                                        local_files_only=True))
         except (OSError, ValueError):
             if m.vae not in VAE_CONFIGS:
                 raise ConfigError(f"model.vae={m.vae}: its config.json is not on this machine; download it once "
