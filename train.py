@@ -33,7 +33,8 @@ from accelerate.utils import set_seed
 
 from data.skips import reader_stats
 from data.stream import all_shards
-from imba.training.build import build_dit, build_optimizer, build_training_loss, fine_tune_source, load_features
+from imba.training.build import (apply_optim_settings, build_dit, build_optimizer, build_training_loss, fine_tune_source,
+                                 load_features)
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.clock import LoopClock
 from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest, run_predict
@@ -112,6 +113,7 @@ def main(argv: list[str]) -> int:
     register_state(accelerator, ema, state, loss_fn, hooks.checkpointed())
     if resume.checkpoint is not None:
         restore(resume, accelerator, state, ema, lr_scheduler, dit)
+        apply_optim_settings(cfg, lr_scheduler, ema)  # this run's optim.*, not the values the checkpoint carries
     clock = LoopClock(cfg, accelerator.num_processes, state)  # micro-batches → steps, stream position, log/save/stop
     accelerator.print(f"batch: {clock.global_batch} samples a step ({cfg.data.batch_size} per process × "
                       f"{cfg.train.grad_accum} accumulation steps × {accelerator.num_processes} processes); text "

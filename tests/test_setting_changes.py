@@ -12,9 +12,12 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
+import torch
 
+from imba.training.build import apply_optim_settings, build_optimizer
 from imba.training.checkpoints import CONFIG_FILE
 from imba.training.config import Config, ConfigError, dump_config, load_config
+from imba.training.ema import make_ema
 from imba.training.setting_changes import (ALLOWED, NOTED, REFUSED, VERDICTS, check_resumed_settings, compare_settings,
                                            judge)
 from tests.test_checkpoints import TinyRun
@@ -42,9 +45,9 @@ EXPECTED = {
     "loss.reference": R, "loss.normalize": R, "loss.estimator": R,
     "objective.kind": R, "objective.logit_mean": R, "objective.logit_std": R, "objective.shift": R,
     "objective.beta_schedule": R, "objective.beta_start": R, "objective.beta_end": R,
-    # the optimizer's and the EMA's saved state carry these and would override a new value: refused, not ignored
-    "optim.lr": R, "optim.weight_decay": R, "optim.adam_beta1": R, "optim.adam_beta2": R, "optim.adam_eps": R,
-    "optim.ema_decay": R, "optim.warmup_steps": N, "optim.grad_clip": N,
+    # the optimizer's and the EMA's saved state carry these: this run's values replace them, from this step on
+    "optim.lr": N, "optim.weight_decay": N, "optim.adam_beta1": N, "optim.adam_beta2": N, "optim.adam_eps": N,
+    "optim.ema_decay": N, "optim.warmup_steps": N, "optim.grad_clip": N,
     "speed.attention": A, "speed.gradient_checkpointing": A, "speed.compile": A, "speed.tf32": A,
     "sample.prompts": A, "sample.guidance_scale": A, "sample.steps": A, "sample.seed": A,
     "train.output_dir": A, "train.max_steps": A, "train.grad_accum": N,
@@ -110,8 +113,7 @@ def test_safe_changes_are_allowed_and_named(change):
     "data.balance.alpha=0.3", "data.balance.every=5", "data.min_size=64", "data.shuffle_buffer=10",
     "data.caption_field=text",
     "data.synthetic_samples=100", "data.bucketing=true", "data.precompute=false", "data.epoch_samples=10",
-    "train.mixed_precision=fp16", "data.shard_window=4", "model.pretrained=some/export", "optim.lr=0.0001",
-    "optim.weight_decay=0", "optim.adam_beta2=0.99", "optim.ema_decay=0.99",
+    "train.mixed_precision=fp16", "data.shard_window=4", "model.pretrained=some/export",
 ])
 def test_changes_that_break_the_state_or_the_position_are_refused(change):
     key = change.split("=", 1)[0]
@@ -197,11 +199,32 @@ def test_the_vocabulary_is_refused_where_the_balance_counts_by_it_and_allowed_wh
                                          "counts by its vocabulary))"]
 
 
-def test_a_refused_optimizer_setting_says_the_checkpoint_would_override_it():
-    refused, _ = compare_settings(load_config([]), load_config(["optim.lr=0.0001", "optim.ema_decay=0.99"]))
-    assert refused == [
-        "optim.lr 0.002 -> 0.0001 (restored from the checkpoint's optimizer and schedule state, which would override "
-        "it)", "optim.ema_decay 0.999 -> 0.99 (restored from the checkpoint's EMA state, which would override it)"]
+def test_a_resumed_run_trains_with_its_own_optimizer_settings_not_the_checkpoints():
+    refused, allowed = compare_settings(load_config([]), load_config(["optim.lr=0.0001", "optim.ema_decay=0.99"]))
+    assert refused == [] and allowed == [
+        "optim.lr 0.002 -> 0.0001 (the learning rate from this step on, at the schedule's step)",
+        "optim.ema_decay 0.999 -> 0.99 (the EMA's decay from this step on (its average so far is kept))"]
+    # what the resume restores (the optimizer's, the schedule's and the EMA's states), then this run's settings
+    saved, resumed = (load_config(["optim.warmup_steps=4", *extra]) for extra in ([], [
+        "optim.lr=1e-4", "optim.weight_decay=0", "optim.adam_beta1=0.8", "optim.adam_beta2=0.99",
+        "optim.adam_eps=1e-6", "optim.ema_decay=0.9"]))
+    model = torch.nn.Linear(2, 2)
+    optimizer, schedule = build_optimizer(saved, model.parameters(), num_processes=1)
+    ema = make_ema(model.parameters(), decay=saved.optim.ema_decay)
+    for _ in range(3):  # 3 of the 4 warm-up steps
+        optimizer.step()
+        schedule.step()
+    states = optimizer.state_dict(), schedule.state_dict(), ema.state_dict()
+    optimizer, schedule = build_optimizer(resumed, model.parameters(), num_processes=1)
+    ema = make_ema(model.parameters(), decay=resumed.optim.ema_decay)
+    optimizer.load_state_dict(states[0]), schedule.load_state_dict(states[1]), ema.load_state_dict(states[2])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 3 / 4)  # the checkpoint's, as restored
+    apply_optim_settings(resumed, schedule, ema)
+    (group,) = optimizer.param_groups
+    assert group["lr"] == pytest.approx(1e-4 * 3 / 4) and schedule.get_last_lr() == [group["lr"]]
+    assert (group["weight_decay"], group["betas"], group["eps"], ema.decay) == (0, (0.8, 0.99), 1e-6, 0.9)
+    schedule.step()  # the warm-up ends at this run's rate
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
 def test_prompts_left_to_auto_take_the_checkpoints_and_given_prompts_are_kept(tmp_path):

@@ -165,3 +165,17 @@ def build_optimizer(cfg: Config, parameters, num_processes: int, device=None):
     # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=o.warmup_steps * num_processes)
     return optimizer, lr_scheduler
+
+
+def apply_optim_settings(cfg: Config, lr_scheduler, ema) -> None:
+    """After a resume: this run's `optim` settings in the restored optimizer, schedule and EMA, whose saved states
+    carry the checkpoint's (a lower `optim.lr` for a run that diverged must not be overridden by the old one). The
+    schedule keeps its step count: the learning rate is this run's `optim.lr` times the schedule's factor there."""
+    o = cfg.optim
+    schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's wrapper, or the schedule itself
+    schedule.base_lrs = [o.lr] * len(schedule.base_lrs)
+    for group, factor in zip(schedule.optimizer.param_groups, schedule.lr_lambdas, strict=True):
+        group.update(initial_lr=o.lr, lr=o.lr * factor(schedule.last_epoch), weight_decay=o.weight_decay,
+                     betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    schedule._last_lr = [group["lr"] for group in schedule.optimizer.param_groups]  # what get_last_lr() reports
+    ema.decay = o.ema_decay

@@ -26,7 +26,7 @@ from imba.training.config import KIND_SETTINGS, Config, ConfigError, flat_settin
 
 REFUSED, ALLOWED, NOTED = "refused", "allowed", "allowed with a note"
 _STREAM = "the data stream the position counts in"
-_KEPT = "restored from the checkpoint's {} state, which would override it"
+_FROM_NOW = "AdamW's from this step on (its moments so far are kept)"
 
 # setting (or a kind setting's family) -> (verdict, what the change does, or what it would break)
 VERDICTS: dict[str, tuple[str, str]] = {
@@ -76,15 +76,15 @@ VERDICTS: dict[str, tuple[str, str]] = {
     # the objective
     "loss.*": (REFUSED, "the objective and the loss's state"),
     "objective.*": (REFUSED, "the objective"),
-    # the optimizer: its state carries its hyperparameters; the warm-up and the clip are read from the config
-    "optim.lr": (REFUSED, _KEPT.format("optimizer and schedule")),
-    "optim.weight_decay": (REFUSED, _KEPT.format("optimizer")),
-    "optim.adam_beta1": (REFUSED, _KEPT.format("optimizer")),
-    "optim.adam_beta2": (REFUSED, _KEPT.format("optimizer")),
-    "optim.adam_eps": (REFUSED, _KEPT.format("optimizer")),
+    # the optimizer: this run's values replace those its restored state carries (build.apply_optim_settings)
+    "optim.lr": (NOTED, "the learning rate from this step on, at the schedule's step"),
+    "optim.weight_decay": (NOTED, _FROM_NOW),
+    "optim.adam_beta1": (NOTED, _FROM_NOW),
+    "optim.adam_beta2": (NOTED, _FROM_NOW),
+    "optim.adam_eps": (NOTED, _FROM_NOW),
     "optim.warmup_steps": (NOTED, "the warm-up from this step on (the schedule counts the steps taken)"),
     "optim.grad_clip": (NOTED, "the gradient clip from this step on"),
-    "optim.ema_decay": (REFUSED, _KEPT.format("EMA")),
+    "optim.ema_decay": (NOTED, "the EMA's decay from this step on (its average so far is kept)"),
     "speed.attention": (ALLOWED, "how fast, not what is computed"),
     "speed.gradient_checkpointing": (ALLOWED, "how fast, not what is computed"),
     "speed.compile": (ALLOWED, "how fast, not what is computed"),
