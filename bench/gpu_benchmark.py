@@ -21,7 +21,7 @@ part ended by `torch.cuda.synchronize()`; medians are reported.
 Reported per mode: images/s (batch ÷ median whole step), the median loader wait, input copy and step (TrainStep +
 EMA), the ratio per image to plain, peak allocated memory (`torch.cuda.max_memory_allocated`, reset per mode; n/a on
 the CPU), model TFLOP/s and MFU against the FLOP count of `bench/gpu_flops.py` (checked against FlopCounterMode at
-start-up). The Markdown table is printed last; --out FILE appends it with the environment and the command, --json
+start-up), and in the JSON the graphs torch.compile built during the mode (recompiles included). The Markdown table is printed last; --out FILE appends it with the environment and the command, --json
 FILE writes everything as JSON.
 
     python bench/gpu_benchmark.py --out bench/gpu_results.md                    # one GPU, 1b at 256 px
@@ -144,6 +144,7 @@ class TrainerBench:
         from imba.training.resume import StreamPosition
         from imba.training.step import TrainStep
         from imba.training.step_batches import StepBatches
+        from torch._dynamo.utils import counters
 
         a, acc = self.args, self.accelerator
         cfg = config_for(a, mode, batch)
@@ -160,6 +161,7 @@ class TrainerBench:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+        graphs = counters["stats"]["unique_graphs"]
         batches, window = StepBatches(iter(loader), cfg.train.grad_accum), MetricWindow()
         times: dict[str, list[float]] = {"loader": [], "input": [], "step": []}
         skipped = 0
@@ -193,6 +195,7 @@ class TrainerBench:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         whole = [sum(parts) for parts in zip(*times.values())]
         return {"mode": mode, "batch": batch, "steps": a.steps, "skipped_steps": skipped,
+                "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
                 "median_s": statistics.median(whole), "min_s": min(whole), "max_s": max(whole),
                 **{f"{part}_median_s": statistics.median(ts) for part, ts in times.items()}, "peak_bytes": peak}
 

@@ -134,7 +134,8 @@ def check_sdpa(args) -> dict:
 
 
 def run_grid(args) -> dict:
-    """train.main(args.train_args) with every GridSampler.between_steps measured."""
+    """train.main(args.train_args) with every GridSampler.between_steps measured; grid.json is written after each
+    grid too (exit_code null), so a run stopped later, in its final checkpoint say, keeps its grids' numbers."""
     import torch
 
     import train
@@ -143,6 +144,7 @@ def run_grid(args) -> dict:
     cuda = torch.cuda.is_available() and not args.cpu
     grids: list[dict] = []
     original = GridSampler.between_steps
+    args.out.mkdir(parents=True, exist_ok=True)
 
     def measured(self, step, model, ema):
         before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -164,6 +166,9 @@ def run_grid(args) -> dict:
                       "max_rss_after_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
         grids.append(entry)
         print(f"gpu_check grid: {entry}", flush=True)
+        partial = {"train_args": args.train_args, "exit_code": None, "seconds": time.perf_counter() - start,
+                   "grids": grids}
+        (args.out / "grid.json").write_text(json.dumps(partial, indent=1, default=str) + "\n")
         return out
 
     GridSampler.between_steps = measured
@@ -215,7 +220,8 @@ def summary(out: Path) -> str:
         lines += ["## Training step (bench/gpu_benchmark.py)", tables.replace("\n## ", "\n### "), ""]
     grid = _read_json(out / "grid.json")
     if grid:
-        lines += [f"## Grid at step 2 (train.py, exit {grid['exit_code']}, {grid['seconds']:.0f} s; run peak "
+        ended = "did not finish" if grid["exit_code"] is None else f"exit {grid['exit_code']}"
+        lines += [f"## Grid at step 2 (train.py, {ended}, {grid['seconds']:.0f} s; run peak "
                   f"{grid.get('run_peak_gib', float('nan')):.2f} GiB)", "",
                   "`" + " ".join(grid["train_args"]) + "`", ""]
         lines += [f"- {g}" for g in grid["grids"]] + [""]

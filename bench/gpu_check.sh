@@ -18,8 +18,9 @@
 #   grid           train.py for 3 steps with a sample grid at step 2, its memory measured  (gpu_check.py grid)
 #   compiled_ckpt  compiled with gradient checkpointing
 # Results: $GPU_CHECK_OUT, else $OUT, else bench/gpu_results/: gpu_check.md (the summary), parts.tsv, each part's
-# log and JSON, benchmarks.md (the benchmark tables). Scratch (feature shards, the grid run): $GPU_CHECK_WORK,
-# default bench/gpu_work/ (ignored by git; the grid run's checkpoint of the 1b preset is deleted after the part).
+# log and JSON, benchmarks.md (the benchmark tables). Scratch (feature shards, one set per resolution, and the
+# grid run): $GPU_CHECK_WORK, default bench/gpu_work/ (ignored by git; the grid run's checkpoint of the 1b preset is
+# deleted after the part).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -104,12 +105,13 @@ install_missing() {
     PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --no-index --find-links "$WHEELS" "${missing[@]}"
 }
 
-benchmark() {  # benchmark NAME [gpu_benchmark.py arguments]: the benchmark at this check's size
-    local name=$1
-    shift
+benchmark() {  # benchmark NAME RESOLUTION [gpu_benchmark.py arguments]: the benchmark at this check's size
+    local name=$1 resolution=$2
+    shift 2
     "$PY" bench/gpu_benchmark.py --device "$DEVICE" --preset "$PRESET" --text-tokens "$TEXT" \
         --caption-channels "$CHANNELS" --samples "$SAMPLES" --steps "$STEPS" --warmup "$WARMUP" --no-flop-check \
-        --features "$WORK/features-$name" --json "$RESULTS/$name.json" --out "$RESULTS/benchmarks.md" "$@"
+        --resolution "$resolution" --features "$WORK/features-$resolution" --json "$RESULTS/$name.json" \
+        --out "$RESULTS/benchmarks.md" "$@"
 }
 
 grid_run() {
@@ -129,13 +131,13 @@ part install 60 install_missing
 part imports 45 "$PY" bench/gpu_check.py imports --out "$RESULTS"
 part sdpa 30 "$PY" bench/gpu_check.py sdpa --out "$RESULTS" $CPU_FLAG --preset "$PRESET" --resolution "$RES" \
     --text-tokens "$TEXT" --caption-channels "$CHANNELS"
-part eager 60 benchmark eager --resolution "$RES" --batch-size "$BATCH" --modes plain,efficient,literal
-part compiled 150 benchmark compiled --resolution "$RES" --batch-size "$BATCH" --modes plain,efficient,literal --compile
-part eager_ckpt 60 benchmark eager_ckpt --resolution "$RES" --batch-size "$BATCH" --modes plain,efficient,literal \
+part eager 60 benchmark eager "$RES" --batch-size "$BATCH" --modes plain,efficient,literal
+part compiled 150 benchmark compiled "$RES" --batch-size "$BATCH" --modes plain,efficient,literal --compile
+part eager_ckpt 60 benchmark eager_ckpt "$RES" --batch-size "$BATCH" --modes plain,efficient,literal \
     --gradient-checkpointing
-part px512 45 benchmark px512 --resolution "$RES2" --batch-size "$BATCH2" --modes efficient --gradient-checkpointing
+part px512 45 benchmark px512 "$RES2" --batch-size "$BATCH2" --modes efficient --gradient-checkpointing
 part grid 90 grid_run
-part compiled_ckpt 120 benchmark compiled_ckpt --resolution "$RES" --batch-size "$BATCH" \
+part compiled_ckpt 120 benchmark compiled_ckpt "$RES" --batch-size "$BATCH" \
     --modes plain,efficient,literal --compile --gradient-checkpointing
 
 "$PY" bench/gpu_check.py summary --out "$RESULTS" > /dev/null

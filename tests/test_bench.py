@@ -71,6 +71,7 @@ def test_gpu_benchmark_times_the_trainers_step_and_ema_on_a_loader(tmp_path, mon
     assert list(rows) == ["plain", "literal", "efficient"]
     for row in rows.values():
         assert row["batch"] == 4 and row["steps"] == 2 and row["skipped_steps"] == 0 and row["peak_bytes"] is None
+        assert row["graphs_compiled"] == 0  # eager
         assert row["images_per_s"] == pytest.approx(4 / row["median_s"], rel=1e-12)
         assert min(row["step_median_s"], row["loader_median_s"], row["input_median_s"]) > 0
         assert 0 < row["mfu"] < 1 and row["tflops"] == pytest.approx(row["mfu"] * 989, rel=1e-12)
@@ -127,6 +128,7 @@ def test_gpu_check_runs_every_part_in_its_cpu_mode(tmp_path):
         assert [row["mode"] for row in r["results"]] == modes
         assert r["settings"]["gradient_checkpointing"] == name.endswith(("ckpt", "512"))
         assert r["settings"]["compile"] == name.startswith("compiled") and r["compiled"] is False  # CPU mode
+        assert {row["graphs_compiled"] for row in r["results"]} == {0}
     assert json.loads((out / "px512.json").read_text())["settings"]["resolution"] == 128
     grid = json.loads((out / "grid.json").read_text())
     assert grid["exit_code"] == 0 and "samples/step_0000002.png" in grid["grid_images"]
