@@ -327,3 +327,17 @@ def test_an_http_store_that_hangs_or_refuses_is_found_dead_within_its_deadline(l
         proxy.close()
         server.close()
     assert len(found) == 1 and found[0].startswith(f"{url}: store unreachable for 1 s (stat {url}: ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["error", "reset", "truncate", "delay"])
+def test_a_flaky_store_gives_the_local_batches(local, store, tmp_path, mode):
+    server, proxy = store
+    urls = server.upload("shards", f"flaky-{mode}", local)
+    # nothing stays in the cache: every shard read is a download through the faults; 30 % of the answers spoiled,
+    # so a read fails for good only after 20 spoiled answers in a row (odds 0.3^20)
+    cache = ShardCache(tmp_path / "cache", limit=1, budget=StoreBudget(timeout_s=10, attempts=20))
+    proxy.set(mode, share=0.3, delay_s=0.2)
+    loader, got = keys_and_pixels(urls, cache)
+    assert same(got, keys_and_pixels(local)[1])
+    assert loader.stats.shard_errors == 0 and (proxy.spoiled > 0 or mode == "delay")
