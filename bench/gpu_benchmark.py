@@ -21,8 +21,9 @@ part ended by `torch.cuda.synchronize()`; medians are reported.
 Reported per mode: images/s (batch ÷ median whole step), the median loader wait, input copy and step (TrainStep +
 EMA), the ratio per image to plain, peak allocated memory (`torch.cuda.max_memory_allocated`, reset per mode; n/a on
 the CPU), model TFLOP/s and MFU against the FLOP count of `bench/gpu_flops.py` (checked against FlopCounterMode at
-start-up), and in the JSON the graphs torch.compile built during the mode (recompiles included). The Markdown table is printed last; --out FILE appends it with the environment and the command, --json
-FILE writes everything as JSON.
+start-up), and in the JSON the graphs torch.compile built during the mode (recompiles included). The Markdown
+table is printed last; --out FILE appends it with the environment and the command, --json FILE writes everything as
+JSON.
 
     python bench/gpu_benchmark.py --out bench/gpu_results.md                    # one GPU, 1b at 256 px
     python bench/gpu_benchmark.py --compile --gradient-checkpointing --modes plain,efficient

@@ -24,6 +24,7 @@ import json
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,23 +100,30 @@ def probe_sdpa(call: dict) -> dict:
 
     q, k, v, mask = call["q"], call["k"], call["v"], call["attn_mask"]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
-    with torch.no_grad(), profile(activities=activities) as prof:
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **call["kwargs"])
-        if q.is_cuda:
-            torch.cuda.synchronize()
-    names = [e.name for e in prof.events()]
-    chosen = sorted({n for n in names if n.startswith("aten::_scaled_dot_product") or "attention" in n.lower()
-                     and not n.startswith("aten::scaled_dot_product_attention")})
-    kernels = sorted({e.name for e in prof.events() if q.is_cuda and e.device_type == torch.autograd.DeviceType.CUDA})
+    try:
+        with torch.no_grad(), profile(activities=activities) as prof:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **call["kwargs"])
+            if q.is_cuda:
+                torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        chosen = sorted({n for n in names if n.startswith("aten::_scaled_dot_product") or "attention" in n.lower()
+                         and not n.startswith("aten::scaled_dot_product_attention")})
+        kernels = sorted({e.name for e in prof.events()
+                          if q.is_cuda and e.device_type == torch.autograd.DeviceType.CUDA})
+    except Exception as err:  # noqa: BLE001 - a profiler that cannot start (no CUPTI): the forced backends still say
+        chosen, kernels = [f"profiler failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"], []
     forced = {}
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                     SDPBackend.MATH):
-        try:
-            with torch.no_grad(), sdpa_kernel([backend]):
-                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **call["kwargs"])
-            forced[backend.name] = "runs"
-        except RuntimeError as err:
-            forced[backend.name] = f"refused: {str(err).splitlines()[0][:160]}"
+        with warnings.catch_warnings(record=True) as said:  # torch warns why each kernel was not used
+            warnings.simplefilter("always")
+            try:
+                with torch.no_grad(), sdpa_kernel([backend]):
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **call["kwargs"])
+                forced[backend.name] = "runs"
+            except Exception as err:  # noqa: BLE001 - a backend that cannot run this call, whatever it raises
+                reasons = "; ".join(str(w.message).splitlines()[0][:200] for w in said)
+                forced[backend.name] = f"refused: {reasons or str(err).splitlines()[0][:160]}"
     return {"query_tokens": call["query_tokens"], "key_tokens": call["key_tokens"], "dtype": str(q.dtype),
             "shape_q": list(q.shape), "mask": None if mask is None else f"{mask.dtype} {list(mask.shape)}",
             "dispatched_ops": chosen, "device_kernels": kernels, "forced_backends": forced}
