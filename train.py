@@ -25,13 +25,17 @@ if __name__ == "__main__":  # --help and a config that does not load are answere
     try:
         if sys.argv[1:2] != ["--export"]:
             load_config(sys.argv[1:])  # loaded again by main(): a few milliseconds
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, NoUsableSamples) as err:
         sys.exit(f"error: {err}")
+    except StoreUnreachable as err:  # the store is down at start-up, with nothing cached to read: try again later
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT_CODE)
 
 import torch  # noqa: E402 (from here on: what a run needs beyond its config)
 from accelerate.utils import set_seed
 
-from data.skips import reader_stats
+from data.remote import StoreUnreachable
+from data.skips import NoUsableSamples, reader_stats
 from data.stream import all_shards
 from imba.training.build import (apply_optim_settings, build_dit, build_optimizer, build_training_loss, fine_tune_source,
                                  load_features)
@@ -45,7 +49,7 @@ from imba.training.hooks import Hooks
 from imba.training.inputs import (check_data, concept_bucketer, make_loader, online_balancer, precompute_once,
                                   precompute_sources, precomputes, training_sources)
 from imba.training.metrics import ConceptBuckets, DrawLog, MetricWindow, StepLog, reduce_over_ranks
-from imba.training.preemption import PreemptionHandler
+from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from imba.training.resume import continue_stream, plan_resume, restore
 from imba.training.run_folder import RunFolder
 from imba.training.sampling import GridSampler, prompts_from_data
@@ -222,5 +226,8 @@ if __name__ == "__main__":
             print(f"exported the EMA weights of {sys.argv[2]} to {exported}")
             sys.exit(0)
         sys.exit(main(sys.argv[1:]))
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, NoUsableSamples) as err:
         sys.exit(f"error: {err}")
+    except StoreUnreachable as err:  # the store is down at start-up, with nothing cached to read: try again later
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT_CODE)
