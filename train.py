@@ -37,11 +37,12 @@ from accelerate.utils import set_seed
 from data.remote import StoreUnreachable
 from data.skips import NoUsableSamples, reader_stats
 from data.stream import all_shards
-from imba.training.build import (apply_optim_settings, build_dit, build_optimizer, build_training_loss, fine_tune_source,
-                                 load_features)
+from imba.training.build import (apply_optim_settings, build_dit, build_optimizer, build_training_loss,
+                                 fine_tune_source, load_features)
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.clock import LoopClock
-from imba.training.distributed import configure_deepspeed, make_accelerator, parameter_digest, run_predict
+from imba.training.distributed import (check_zero3_settings, compile_prepared, configure_deepspeed, make_accelerator,
+                                      parameter_digest, run_predict)
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint, export_run
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_message
@@ -71,10 +72,8 @@ def main(argv: list[str]) -> int:
     device, is_main = accelerator.device, accelerator.is_main_process
     accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"device {device}, output {out}")
-    zero3 = configure_deepspeed(accelerator, cfg.data.batch_size)
-    if zero3 and cfg.model.lora_rank:  # the adapters' export needs the EMA whole on one rank
-        raise ConfigError("model.lora_rank is not supported under ZeRO-3: use ZeRO-2 or DDP (LoRA's optimizer "
-                          "state is small, and ZeRO-2 partitions it)")
+    if zero3 := configure_deepspeed(accelerator, cfg.data.batch_size):
+        check_zero3_settings(cfg)  # LoRA and compile: refused in one line
     set_seed(cfg.train.seed)  # identical initial weights on every rank
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.speed.tf32
     # which checkpoint, and whether this run's settings may continue it: known before any long work
@@ -104,11 +103,13 @@ def main(argv: list[str]) -> int:
     loss_fn = build_training_loss(cfg, dit.config.patch_size, same_passes_on_every_rank=zero3,
                                   num_processes=accelerator.num_processes)
     optimizer, lr_scheduler = build_optimizer(cfg, dit.parameters(), accelerator.num_processes, device)
-    apply_speed_settings(dit, cfg.speed.attention, cfg.speed.gradient_checkpointing, cfg.speed.compile)
+    apply_speed_settings(dit, cfg.speed.attention, cfg.speed.gradient_checkpointing)
 
     # ---- checkpoint state and resume ------------------------------------------------------------------------
     wrapped, optimizer, lr_scheduler = accelerator.prepare(dit, optimizer, lr_scheduler)
     dit = accelerator.unwrap_model(wrapped)  # the bare DiT (config, EMA, no-grad passes); ZeRO-3: partitioned
+    if cfg.speed.compile:  # after prepare: the graphs of the model as it trains (DDP's or DeepSpeed's hooks in place)
+        compile_prepared(accelerator, wrapped, dit)
     ema = make_ema(dit.parameters(), decay=cfg.optim.ema_decay)  # ZeRO-3: each rank averages its own slice
     state = TrainState(world_size=accelerator.num_processes)
     # an online data.balance rule: sampling weights that follow the IMBA distance; its statistics resume with the run

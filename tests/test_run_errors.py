@@ -15,7 +15,8 @@ from data.skips import NoUsableSamples
 from data.streaming import make_image_text_loader
 from data.synthetic import write_synthetic_shards
 from imba.training.config import ConfigError
-from imba.training.distributed import check_output_dir
+from imba.training.config import load_config
+from imba.training.distributed import check_output_dir, check_zero3_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,3 +90,14 @@ def test_a_resume_path_that_names_no_checkpoint_is_one_line_before_any_work(tmp_
     assert message in stderr.strip().splitlines()[-1]
     # refused before the synthetic set is written or anything is encoded: the new run's folder stays empty
     assert not run.exists() or not any(run.iterdir())
+
+
+@pytest.mark.parametrize("section, key, value", [("model", "lora_rank", 4), ("speed", "compile", True)])
+def test_what_zero3_cannot_take_is_refused_in_one_line(section, key, value):
+    cfg = load_config([])
+    check_zero3_settings(cfg)  # the defaults pass
+    setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ConfigError) as err:
+        check_zero3_settings(cfg)
+    assert str(err.value).startswith(f"{section}.{key} is not supported under ZeRO-3: ")
+    assert "use ZeRO-2 or DDP" in str(err.value) and "\n" not in str(err.value)

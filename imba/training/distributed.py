@@ -77,6 +77,30 @@ def configure_deepspeed(accelerator: Accelerator, batch_size: int) -> bool:
     return zero3
 
 
+def check_zero3_settings(cfg: Config) -> None:
+    """The settings ZeRO-3 cannot take, refused in one line each before any model is built."""
+    if cfg.model.lora_rank:  # the adapters' export needs the EMA whole on one rank
+        raise ConfigError("model.lora_rank is not supported under ZeRO-3: use ZeRO-2 or DDP (LoRA's optimizer "
+                          "state is small, and ZeRO-2 partitions it)")
+    if cfg.speed.compile:  # measured over gloo with DeepSpeed's own engine.compile: no faster than eager, and worse
+        raise ConfigError("speed.compile is not supported under ZeRO-3: DeepSpeed's parameter hooks break the compiled "
+                          "graph at every submodule and recompile it until torch falls back to eager; use ZeRO-2 or "
+                          "DDP with speed.compile=true (python -m imba.training.plan CONFIG says what fits), or "
+                          "speed.compile=false")
+
+
+def compile_prepared(accelerator: Accelerator, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
+    """`torch.compile` for the DiT after `accelerator.prepare`, so that the compiled graphs are those of the model as
+    it trains: under DeepSpeed through its engine's `compile` (which compiles the module with ZeRO-3's parameter hooks
+    already in place and turns off the NVTX ranges that break graphs; compiled before `prepare`, ZeRO-3's hooks were
+    traced into the graphs and recompiled at every call until dynamo gave up), otherwise the bare DiT in place
+    (`nn.Module.compile`: DDP's gradient hooks stay outside the graph; the no-grad passes are compiled too)."""
+    if accelerator.state.deepspeed_plugin is not None:
+        wrapped.compile()
+    else:
+        model.compile()
+
+
 def parameter_digest(model: torch.nn.Module) -> str:
     """A short hash of every parameter's bytes: equal on all ranks iff their weights are bitwise identical.
     Under ZeRO-3 the parameters are gathered first, a collective: call it on every rank."""
