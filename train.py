@@ -25,11 +25,8 @@ if __name__ == "__main__":  # --help and a config that does not load are answere
     try:
         if sys.argv[1:2] != ["--export"]:
             load_config(sys.argv[1:])  # loaded again by main(): a few milliseconds
-    except (ConfigError, FileNotFoundError, NoUsableSamples) as err:
+    except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
-    except StoreUnreachable as err:  # the store is down at start-up, with nothing cached to read: try again later
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(REQUEUE_EXIT_CODE)
 
 import torch  # noqa: E402 (from here on: what a run needs beyond its config)
 from accelerate.utils import set_seed
