@@ -306,6 +306,7 @@ env > "$FAKE_DIR/accelerate.$node.env"
 grep '^SigIgn:' /proc/$$/status > "$FAKE_DIR/accelerate.$node.sigign"
 case $FAKE_MODE in
     exit:*) exit "${FAKE_MODE#exit:}" ;;
+    requeue) echo "$IMBA_REQUEUE_FILE" > "$FAKE_DIR/requeue_file"; echo 75 > "$IMBA_REQUEUE_FILE"; exit 1 ;;
     worker) "$FAKE_PYTHON" "$FAKE_DIR/worker.py" "$node" && exit 0 || exit 1 ;;
 esac
 """
@@ -472,6 +473,10 @@ def test_node_launch_alone(fakes):
                                          capture_output=True, text=True, timeout=15)
     assert run(FAKE_MODE="exit:1").returncode == 1
     assert run(FAKE_MODE="exit:75").returncode == 75
+    # a training process that asked for a requeue without a signal (a dead store): accelerate reports 1, the script 75
+    asked = run(FAKE_MODE="requeue")
+    assert asked.returncode == 75 and "asked for a requeue" in asked.stderr
+    assert not Path((fakes / "requeue_file").read_text().strip()).exists()  # the script's file is gone
     missing = run(FAKE_MODE="exit:0", NUM_MACHINES="2")
     assert missing.returncode == 2 and "MAIN_PROCESS_IP" in missing.stderr
 

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 import train
 from data.remote import StoreUnreachable
 from imba.training.checkpoints import list_checkpoints
-from imba.training.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
+from imba.training.preemption import REQUEUE_EXIT_CODE, REQUEUE_FILE_ENV, PreemptionHandler
 from imba.training.step_batches import StepBatches
 from test_train_precomputed import run_main
 
@@ -35,7 +35,10 @@ def test_a_step_is_read_whole_or_not_at_all():
     assert list(batches) == [] and batches.failure == LINE
 
 
-def test_a_rank_that_cannot_read_stops_every_rank_with_its_line_and_the_requeue_status(capsys):
+def test_a_rank_that_cannot_read_stops_every_rank_with_its_line_and_the_requeue_status(capsys, tmp_path,
+                                                                                        monkeypatch):
+    marker = tmp_path / "requeue"  # the file launch/slurm/node_launch.sh names: accelerate reports the exit as 1
+    monkeypatch.setenv(REQUEUE_FILE_ENV, str(marker))
     accelerator, handler = Accelerator(cpu=True), PreemptionHandler(signals=())
     assert not handler.should_stop(accelerator)
     assert handler.should_stop(accelerator, cannot_read=True)
@@ -44,6 +47,7 @@ def test_a_rank_that_cannot_read_stops_every_rank_with_its_line_and_the_requeue_
     assert out[0] == f"error: {LINE}"
     assert "checkpoint at step 7 saved" in out[1] and "pre-empted" not in out[1]
     assert [line for line in out if line.startswith("error: ")] == [f"error: {LINE}"]
+    assert marker.read_text() == f"{REQUEUE_EXIT_CODE}\n"
 
 
 TINY = ["data.resolution=32", "model.vae=tiny", "data.precompute=false", "data.batch_size=2", "train.grad_accum=2",

@@ -5,18 +5,22 @@ job. The handler only sets a flag; the loop checks it after each optimizer step,
 tiny collective (a rank whose signal arrived late would otherwise keep training while the others save).
 The process then exits with `REQUEUE_EXIT_CODE`. A rank whose next batches cannot be read (its object store is
 unreachable, `imba.training.step_batches`) asks for the same stop through the same collective. `accelerate launch`
-reports a failed worker as 1, so `launch/slurm/node_launch.sh` restores the 75 after a forwarded signal, and the
-sbatch scripts requeue the job.
+reports a failed worker as 1, so `launch/slurm/node_launch.sh` restores the 75 after a forwarded signal, or when a
+process wrote it into the file `IMBA_REQUEUE_FILE` names (a stop without a signal), and the sbatch scripts requeue
+the job.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+REQUEUE_FILE_ENV = "IMBA_REQUEUE_FILE"  # a file the node's launch script reads: a process asked for a requeue
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -45,6 +49,8 @@ class PreemptionHandler:
         one `error:` line, printed by the rank that met it); `saved`: whether a checkpoint of `step` was written."""
         if failure is not None:
             print(f"error: {failure}", flush=True)
+        if marker := os.environ.get(REQUEUE_FILE_ENV):  # launch/slurm/node_launch.sh: the launcher reports 1
+            Path(marker).write_text(f"{REQUEUE_EXIT_CODE}\n")
         done = f"checkpoint at step {step} saved" if saved else f"nothing trained after step {step}"
         accelerator.print(f"{self.why}: {done}; exiting with {REQUEUE_EXIT_CODE} so the job is requeued (it resumes "
                           "from the latest checkpoint)")

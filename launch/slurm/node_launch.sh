@@ -42,6 +42,9 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # When one rank exits first, torchrun stops the others with SIGTERM and SIGKILLs them after this many seconds
 # (default 30): leave room for a rank that is still writing its part of the checkpoint.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
+# A training process that stops for a requeue without a signal (its object store stopped answering) writes 75 into
+# this file, since `accelerate launch` reports its exit as 1: the status is then restored below.
+export IMBA_REQUEUE_FILE=$(mktemp "${TMPDIR:-/tmp}/imba-requeue.XXXXXX")
 
 args=(launch --config_file "$ACCELERATE_CONFIG"
       --num_processes "$((NUM_MACHINES * GPUS_PER_NODE))"
@@ -92,8 +95,15 @@ while :; do
 done
 if [[ -n $resender ]]; then kill "$resender" 2>/dev/null || true; fi
 
+asked=0
+if [[ -s $IMBA_REQUEUE_FILE ]]; then asked=1; fi
+rm -f "$IMBA_REQUEUE_FILE"
 if (( status != 0 && preempted )); then
     echo "[node_launch] ${HOSTNAME:-?}: launcher exited with $status after SIGUSR1: reporting $EX_TEMPFAIL" >&2
+    status=$EX_TEMPFAIL
+elif (( status != 0 && asked )); then
+    echo "[node_launch] ${HOSTNAME:-?}: launcher exited with $status after the training asked for a requeue:" \
+         "reporting $EX_TEMPFAIL" >&2
     status=$EX_TEMPFAIL
 fi
 exit "$status"
