@@ -44,7 +44,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
 # A training process that stops for a requeue without a signal (its object store stopped answering) writes 75 into
 # this file, since `accelerate launch` reports its exit as 1: the status is then restored below.
-export IMBA_REQUEUE_FILE=$(mktemp "${TMPDIR:-/tmp}/imba-requeue.XXXXXX")
+export IMBA_REQUEUE_FILE=$(mktemp --tmpdir imba-requeue.XXXXXX)
 
 args=(launch --config_file "$ACCELERATE_CONFIG"
       --num_processes "$((NUM_MACHINES * GPUS_PER_NODE))"
