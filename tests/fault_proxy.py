@@ -117,7 +117,7 @@ class FaultProxy:
 
     def fetch(self, method: str, path: str, headers: dict, body: bytes | None):
         """(status, reason, headers, body) of the upstream's answer."""
-        conn = http.client.HTTPConnection(self.upstream, timeout=60)
+        conn = http.client.HTTPConnection(self.upstream, timeout=300)  # a hang guard for the upstream server
         try:
             conn.request(method, path, body=body, headers=headers)
             answer = conn.getresponse()

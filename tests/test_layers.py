@@ -152,3 +152,26 @@ def test_the_bench_cycle_check_finds_a_script_importing_its_importer(tmp_path, m
     breakers = bench_cycle_breakers("benchcopy")
     assert breakers and {m for edge in breakers for m in edge} <= {"benchcopy.composition",
                                                                   "benchcopy.composition_diagnostics"}
+
+
+def test_the_names_imba_and_data_export_lazily_resolve_to_their_modules():
+    # `imba` and `data` import what they export on first use, so that reading a run's settings needs no torch; every
+    # public name they exported when they imported it all at once is still there
+    import importlib
+
+    public = {
+        "imba": ["IMBALoss", "LossStats", "NullCaption", "TimestepMean", "TrainingLoss", "patchify", "plain_loss",
+                 "token_distance"],
+        "data": ["assign_buckets", "bucket_sizes", "nearest_bucket", "resize_to_bucket", "BucketBatchSampler",
+                 "IndexedBatchSampler", "IndexedLoader", "IndexedShards", "ShardIndex", "batches_per_epoch",
+                 "load_or_build_index", "make_indexed_loader", "IMAGE_EXTENSIONS", "expand_urls", "image_to_tensor",
+                 "make_image_text_loader", "resize_center_crop", "sample_caption", "to_rgb", "COLOURS",
+                 "SAMPLE_PROMPTS", "SHAPES", "make_sample", "write_synthetic_shards"],
+    }
+    for package, names in public.items():
+        module = importlib.import_module(package)
+        assert sorted(module.__all__) == sorted(names)
+        for name in names:  # resolved through the package's table: a name mapped to the wrong module raises
+            assert getattr(module, name) is not None
+        with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+            getattr(module, "nothing")
