@@ -102,12 +102,13 @@ class Cluster:
             proc.terminate()
         for proc in self.started:
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=120)  # a daemon that ignores SIGTERM is killed below
             except subprocess.TimeoutExpired:
                 proc.kill()
 
     def run(self, *cmd: str, check: bool = True) -> str:
-        proc = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=60)
+        # a guard against a hung SLURM command; subprocess's TimeoutExpired says it timed out
+        proc = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=300)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
         return proc.stdout

@@ -37,7 +37,8 @@ class Group:
 
     def __init__(self, size):
         self.size, self.tensors = size, [None] * size
-        self.barrier = threading.Barrier(size, timeout=20)
+        # a guard against a rank that never arrives (a hang), far beyond a busy machine's wait: BrokenBarrierError
+        self.barrier = threading.Barrier(size, timeout=300)
 
 
 class RankAccelerator:

@@ -19,7 +19,7 @@ import torch
 from data import remote
 from data.index import load_or_build_index
 from data.indexed import make_indexed_loader
-from data.remote import ShardCache, ShardChanged, parse_size
+from data.remote import ShardCache, ShardChanged, StoreBudget, parse_size
 from data.skips import UNREADABLE_SHARD
 from data.synthetic import write_synthetic_shards
 from data.urls import expand_urls
@@ -222,6 +222,14 @@ def test_the_cache_and_window_settings_are_read_and_checked_at_load(tmp_path):
         load_config(["data.shard_window=2", "data.balance=imba"])
     with pytest.raises(ConfigError, match="aspect-ratio bucketing draws"):
         load_config(["data.shard_window=2", "data.bucketing=true"])
+
+
+def test_the_store_settings_reach_the_cache_every_remote_read_goes_through():
+    from imba.training.config import load_config
+
+    cfg = load_config(["data.store_timeout=7", "data.store_attempts=3", "data.max_bad_shards=0.25"])
+    assert cfg.data.cache().budget == StoreBudget(timeout_s=7, attempts=3, max_bad_shards=0.25)
+    assert load_config([]).data.cache().budget == StoreBudget()  # the defaults are the budget's own
 
 
 def test_a_process_killed_during_a_download_leaves_nothing_a_reader_would_open(local, s3, tmp_path):

@@ -187,15 +187,18 @@ def test_a_dead_store_ends_a_read_within_its_deadline_with_one_line(local, store
         in str(dead.value) and "\n" not in str(dead.value)
 
 
-def test_more_unreadable_shards_than_data_max_bad_shards_stop_the_reader_in_one_line(local, store, tmp_path):
+# the default share and another: the reader applies the share of the run's cache, not the default
+@pytest.mark.parametrize("share, failed", [(0.5, 3), (0.25, 2)])
+def test_more_unreadable_shards_than_data_max_bad_shards_stop_the_reader_in_one_line(local, store, tmp_path, share,
+                                                                                     failed):
     server, proxy = store
     urls = server.upload("shards", "share", local)
-    cache = ShardCache(tmp_path / "cache", limit=1, budget=StoreBudget(timeout_s=5, attempts=2, max_bad_shards=0.5))
+    cache = ShardCache(tmp_path / "cache", limit=1, budget=StoreBudget(timeout_s=5, attempts=2, max_bad_shards=share))
     index = load_or_build_index(urls, cache=cache)
     proxy.set("error", path="synthetic-00000")  # the store answers 503 to every request for a shard
-    with pytest.raises(TooManyBadShards, match=r"^3 of the 4 shards of 4 shards \(s3://shards/share/synthetic-"
-                                               r"000000.tar, \.\.\.\) could not be read \(more than "
-                                               r"data.max_bad_shards=0.5\), the last s3://.*; check the store"):
+    with pytest.raises(TooManyBadShards, match=rf"^{failed} of the 4 shards of 4 shards \(s3://shards/share/"
+                                               r"synthetic-000000.tar, \.\.\.\) could not be read \(more than "
+                                               rf"data.max_bad_shards={share:g}\), the last s3://.*; check the store"):
         keys_and_pixels(index)
 
 
