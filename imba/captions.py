@@ -4,6 +4,7 @@
     embeds, mask = null.cat(prompt_embeds, prompt_attention_mask)           # literal: 2B rows, captions then ""
     added_cond_kwargs = null.repeat_rows(added_cond_kwargs)                 # literal: micro-conditions of 2B rows
     embeds, mask = null.where(drop, prompt_embeds, prompt_attention_mask)   # efficient: "" on the dropped rows
+    transformer(noisy, timestep=t, **null.kwargs(B))                        # efficient: the no-grad "" pass
 
 `encode` tokenises and encodes "" exactly as diffusers' PixArt pipelines encode their default negative prompt
 (padded to `max_length` with its attention mask, special tokens added), so the unconditional model trains on the
@@ -14,7 +15,11 @@ transformers nor diffusers: this module needs torch alone.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
+
+Like = Union[torch.Tensor, "tuple[torch.Tensor, torch.Tensor]", None]  # captions: embeds, or (embeds, mask)
 
 
 class NullCaption:
@@ -22,8 +27,9 @@ class NullCaption:
 
     `cat` and `where` fit the null caption to the captions' length L' (a null caption is one real token and
     padding, so cutting padding off or adding masked padding leaves what the transformer attends to unchanged),
-    to their dtype and device. Both refuse captions that already contain the null caption, at whatever length
-    either was encoded (only the attended tokens are compared: the padding's states depend on the length): IMBA
+    to their dtype and device; `expand` and `kwargs` follow the captions last given to `cat` or `where` (a text
+    encoder in bf16 and a transformer in fp32: the null caption takes the dtype the script gives the transformer).
+    Both refuse captions that already contain the null caption, at whatever length either was encoded: IMBA
     trains the unconditional model with weight 1 − lam, which replaces the script's own caption dropout (it must
     be 0). `allow_empty_captions=True` lets such rows through, for a data set that holds empty captions on
     purpose (they then train the unconditional model on top of its 1 − lam share).
@@ -38,6 +44,7 @@ class NullCaption:
         self.embeds, self.mask = embeds.detach(), mask
         self._attended = mask[0].nonzero().flatten()  # the positions of the real tokens ("" is one: </s>)
         self.allow_empty_captions = allow_empty_captions
+        self._captions: tuple[torch.Tensor, torch.Tensor] | None = None  # empty, shaped as cat's or where's last
 
     @classmethod
     @torch.no_grad()
@@ -62,13 +69,16 @@ class NullCaption:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def expand(self, batch_size: int, like: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def expand(self, batch_size: int, like: Like = None):
         """(embeds (B, L, D), mask (B, L)): the null caption for every row, e.g. for a no-grad unconditional pass.
-        `like`: (embeds, mask) of captions whose length, dtype and device to take."""
+        `like`: captions (embeds, or (embeds, mask)) whose length, dtype and device to take; by default those last
+        given to `cat` or `where` (so the no-grad pass of the efficient form gets what its pass with gradient got),
+        and the encoder's before any."""
+        like = self._captions if like is None else like
         embeds, mask = self._fit(like) if like is not None else (self.embeds, self.mask)
         return embeds.expand(batch_size, -1, -1), mask.expand(batch_size, -1)
 
-    def kwargs(self, batch_size: int, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    def kwargs(self, batch_size: int, like: Like = None) -> dict:
         """`encoder_hidden_states` and `encoder_attention_mask` of the null caption, the keyword arguments a diffusers
         PixArt transformer takes: `transformer(x, timestep=t, **null.kwargs(B), ...)`."""
         embeds, mask = self.expand(batch_size, like)
@@ -79,6 +89,7 @@ class NullCaption:
         noisy latents and timesteps repeated twice, and split the prediction with `.chunk(2)`)."""
         self._check_captions(embeds, mask)
         null_embeds, null_mask = self.expand(embeds.shape[0], like=(embeds, mask))
+        self._follow(embeds, mask)
         return torch.cat([embeds, null_embeds]), torch.cat([mask, null_mask])
 
     @staticmethod
@@ -102,19 +113,25 @@ class NullCaption:
                              f"{tuple(drop.shape)}")
         self._check_captions(embeds, mask)
         null_embeds, null_mask = self._fit((embeds, mask))
+        self._follow(embeds, mask)
         drop = drop.to(embeds.device)
         return (torch.where(drop[:, None, None], null_embeds, embeds),
                 torch.where(drop[:, None], null_mask, mask))
 
-    def _fit(self, like: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The null caption at the length, dtype and device of the captions `like`."""
-        embeds, mask = like
-        if embeds.dim() != 3 or mask.shape != embeds.shape[:2] or embeds.shape[2] != self.embeds.shape[2]:
+    def _follow(self, embeds: torch.Tensor, mask: torch.Tensor) -> None:
+        """Remember the captions' length, dtype and device (in empty tensors, so that nothing stays alive)."""
+        self._captions = (embeds.new_empty((0, *embeds.shape[1:])), mask.new_empty((0, mask.shape[1])))
+
+    def _fit(self, like: Like) -> tuple[torch.Tensor, torch.Tensor]:
+        """The null caption at the length, dtype and device of the captions `like` (embeds, or (embeds, mask))."""
+        embeds, mask = like if isinstance(like, tuple) else (like, None)
+        if (embeds.dim() != 3 or embeds.shape[2] != self.embeds.shape[2]
+                or (mask is not None and mask.shape != embeds.shape[:2])):
             raise ValueError(f"NullCaption: captions must be embeds (B, L, {self.embeds.shape[2]}) and mask (B, L), "
-                             f"got {tuple(embeds.shape)} and {tuple(mask.shape)}")
+                             f"got {tuple(embeds.shape)} and {None if mask is None else tuple(mask.shape)}")
         length = embeds.shape[1]
         null_embeds = self.embeds.to(device=embeds.device, dtype=embeds.dtype)
-        null_mask = self.mask.to(device=mask.device, dtype=mask.dtype)
+        null_mask = self.mask.to(device=embeds.device, dtype=self.mask.dtype if mask is None else mask.dtype)
         if length < self.length:
             if bool(null_mask[:, length:].any()):
                 raise ValueError(f"NullCaption: captions of {length} tokens cannot hold the null caption's "
@@ -127,20 +144,32 @@ class NullCaption:
         if self.allow_empty_captions:
             return
         null_embeds, null_mask = self._fit((embeds, mask))
+        # The same tokens give the same states up to the rounding of another batch size or a half-precision encoder.
+        tolerance = 0.05 * null_embeds.abs().amax() + 1e-6
         same_mask = (mask == null_mask).all(dim=1)
-        # Only the tokens the null caption attends to: the padding's states change with the length "" was encoded
-        # at, and the transformer never reads them. The same tokens give the same states up to the rounding of
-        # another batch size or a half-precision encoder. A caption's first tokens are never all zeros.
-        if self._attended.numel():
-            attended = self._attended.to(embeds.device)
-            embeds, null_embeds = embeds.index_select(1, attended), null_embeds.index_select(1, attended)
-        close = (embeds - null_embeds).abs().flatten(1).amax(dim=1) <= 0.05 * null_embeds.abs().amax() + 1e-6
-        rows = (same_mask & close) | (embeds == 0).flatten(1).all(dim=1)
+        # Rows with the null caption's mask: only the tokens it attends to, which the transformer reads (an encoder
+        # that masks its padding gives it states that may depend on the padded length).
+        attended = self._attended[self._attended < embeds.shape[1]].to(embeds.device)
+        if not attended.numel():
+            attended = torch.arange(embeds.shape[1], device=embeds.device)
+        close = _farthest(embeds.index_select(1, attended), null_embeds.index_select(1, attended)) <= tolerance
+        # Rows whose mask is all ones (a script that does not pad-mask): the mask tells nothing, so every position
+        # both hold is compared, the null caption's padding included; its attended tokens alone would not do (a
+        # causal encoder gives every caption the states of its first tokens).
+        common = min(embeds.shape[1], self.length)
+        unmasked = mask.bool().all(dim=1) & (_farthest(embeds[:, :common], null_embeds[:, :common]) <= tolerance)
+        # A caption's first tokens are never all zeros.
+        rows = (same_mask & close) | unmasked | (embeds == 0).flatten(1).all(dim=1)
         if bool(rows.any()):
             raise ValueError(f"NullCaption: caption rows {rows.nonzero().flatten().tolist()} already are the null "
                              "caption (or zeros): IMBA's 1 − lam replaces the script's caption dropout, so set that "
                              "to 0 (e.g. --proportion_empty_prompts 0); a data set with empty captions on purpose: "
                              "NullCaption.encode(..., allow_empty_captions=True)")
+
+
+def _farthest(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest absolute difference between (B, L, D) `a` and `b` (0 for L = 0)."""
+    return (a - b).abs().flatten(1).amax(dim=1) if a.shape[1] else a.new_zeros(a.shape[0])
 
 
 def _device_of(text_encoder) -> torch.device:

@@ -32,6 +32,8 @@ from imba.choices import DISTANCES, NORMALIZATIONS, REFERENCES, LossSettingError
 
 GRANULARITIES = ("token", "sample")
 STATE_FILE = "imba_loss.pt"  # the loss's file in an accelerate checkpoint folder (`IMBALoss.checkpoint_with`)
+STATS_PREFIX = "imba/"  # before each logged stat's name, so none collides with a script's own `loss` key
+_EFFICIENT_DROP = "_imba_efficient_drop"  # the attribute by which `efficient_uncond`'s tensor names its drop mask
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -244,10 +246,13 @@ class IMBALoss:
                  "timestep_mean" (divide D by its running mean in the sample's timestep bin, `TimestepMean`; the
                  call then needs `timesteps`, and the means are the loss's only running state: `state_dict`, and
                  `loss_fn.checkpoint_with(accelerator)` saves them with `accelerator.save_state`).
-    num_train_timesteps: the timesteps' range for the bins, 0 to this; 1 declares a schedule whose timesteps
-                 are t in [0, 1] (otherwise floating timesteps all in [0, 1] are refused as a likely mistake).
+    num_train_timesteps: the timesteps' range for the bins, 0 to this (integers below it; floats up to it, as a
+                 flow schedule's σ = 1 gives exactly this); 1 declares a schedule whose timesteps are t in [0, 1]
+                 (otherwise floating timesteps all in [0, 1] are refused as a likely mistake).
     timestep_reduce: how the timestep means are summed over processes: "auto" (an all-reduce when a
                  torch.distributed process group is initialised), a function, or None (per-process means).
+    stats_prefix: put before the name of each scalar stat ("imba/loss", ...), so that logging the stats next to a
+                 script's own `loss` overwrites nothing; "" for the bare names.
     """
 
     gamma: float = 0.8
@@ -261,6 +266,7 @@ class IMBALoss:
     timestep_momentum: float = 0.99
     num_train_timesteps: int = 1000
     timestep_reduce: Reduce = field(default="auto", repr=False, compare=False)
+    stats_prefix: str = field(default=STATS_PREFIX, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("granularity", self.granularity, GRANULARITIES)
@@ -278,7 +284,7 @@ class IMBALoss:
                                    f"must be 'auto', None or an all-reduce function, got {self.timestep_reduce!r}")
         self.timestep_mean = (TimestepMean(self.timestep_bins, self.timestep_momentum, self.num_train_timesteps,
                                            self.timestep_reduce) if self.normalize == "timestep_mean" else None)
-        self._timestep_scale_checked = False
+        self._first_timesteps_checked = False
 
     @classmethod
     def for_transformer(cls, transformer, **settings) -> "IMBALoss":
@@ -335,19 +341,29 @@ class IMBALoss:
 
         return accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)
 
-    def _check_timestep_scale(self, timesteps: torch.Tensor) -> None:
-        """Refuses a first batch of floating timesteps all in [0, 1] with some not whole (a flow schedule's t or
-        σ where the transformer's t·T belong) unless the loss declares that range (num_train_timesteps=1). Only the
-        first floating batch is read: the mistake is in the script, not in one batch, and reading every batch would
-        wait on the device at every step."""
-        if self._timestep_scale_checked or not timesteps.is_floating_point() or self.num_train_timesteps <= 1:
+    def _check_timesteps(self, timesteps: torch.Tensor) -> None:
+        """Refuses timesteps outside the bins' range (0 to num_train_timesteps: integers below it, floats up to
+        it), and a first batch of floating timesteps all in [0, 1] with some not whole (a flow schedule's t or σ
+        where the transformer's t·T belong) unless the loss declares that range (num_train_timesteps=1). The first
+        batch is read, and every batch on the CPU: a wrong scale is in the script, not in one batch, and reading
+        every batch on an accelerator would wait on the device at every step."""
+        if self._first_timesteps_checked and timesteps.device.type != "cpu":
             return
-        if bool(((timesteps >= 0) & (timesteps <= 1)).all() & (timesteps.frac() != 0).any()):
-            raise ValueError(f"IMBALoss: timesteps are floats in [0, 1], but the timestep bins span 0 to "
-                             f"num_train_timesteps={self.num_train_timesteps}: pass the transformer's timesteps "
-                             f"(e.g. sigmas * {self.num_train_timesteps}), or, for timesteps that are t in [0, 1], "
-                             "build the loss with num_train_timesteps=1")
-        self._timestep_scale_checked = True
+        total = self.num_train_timesteps
+        t = timesteps.double()
+        above = t > total if timesteps.is_floating_point() else t >= total
+        if bool((~torch.isfinite(t) | (t < 0) | above).any()):
+            top = total if timesteps.is_floating_point() else total - 1
+            raise ValueError(f"IMBALoss: timesteps range from {t.min().item():g} to {t.max().item():g}, outside the "
+                             f"0 to {top} that the timestep bins of num_train_timesteps={total} split: build the loss "
+                             "with the scheduler's num_train_timesteps and pass the timesteps the transformer receives")
+        if not self._first_timesteps_checked and timesteps.is_floating_point() and total > 1:
+            if bool(((timesteps >= 0) & (timesteps <= 1)).all() & (timesteps.frac() != 0).any()):
+                raise ValueError(f"IMBALoss: timesteps are floats in [0, 1], but the timestep bins span 0 to "
+                                 f"num_train_timesteps={total}: pass the transformer's timesteps (e.g. sigmas * "
+                                 f"{total}), or, for timesteps that are t in [0, 1], build the loss with "
+                                 "num_train_timesteps=1")
+        self._first_timesteps_checked = True
 
     def weights(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
                 valid: torch.Tensor | None = None, timesteps: torch.Tensor | None = None):
@@ -359,7 +375,7 @@ class IMBALoss:
         if self.timestep_mean is not None:
             if timesteps is None:
                 raise ValueError("IMBALoss: normalize='timestep_mean' needs the batch's timesteps")
-            self._check_timestep_scale(timesteps)
+            self._check_timesteps(timesteps)
         reference = target if self.reference == "target" else pred_cond
         with torch.no_grad():
             d = token_distance(reference.detach(), pred_uncond.detach(), self.patch_size, self.distance)
@@ -386,6 +402,16 @@ class IMBALoss:
         b = target.shape[0]
         if drop is not None and (drop.shape != (b,) or drop.dtype != torch.bool):
             raise ValueError(f"IMBALoss: drop must be a bool tensor of shape ({b},), got {drop.dtype} {tuple(drop.shape)}")
+        # the efficient form's pred_uncond is only right with its own mask: without drop= the loss would read it as
+        # the literal form's, and its gradient on the dropped rows would pass the check below
+        marked = getattr(pred_uncond, _EFFICIENT_DROP, None)
+        if marked is not None and drop is None:
+            raise ValueError("IMBALoss: pred_uncond comes from efficient_uncond, the efficient form, but the call "
+                             "has no drop=: pass drop=drop, the mask given to efficient_uncond")
+        if marked is not None and marked is not drop and (marked.shape != drop.shape
+                                                          or not torch.equal(marked.to(drop.device), drop)):
+            raise ValueError("IMBALoss: pred_uncond comes from efficient_uncond with another drop mask than this "
+                             "call's drop=: pass the same mask to both")
         if timesteps is not None and timesteps.shape not in ((b,), ()):
             raise ValueError(f"IMBALoss: timesteps must have shape ({b},), the DiT timestep of each row, "
                              f"got {tuple(timesteps.shape)}")
@@ -406,8 +432,9 @@ class IMBALoss:
     def __call__(self, pred_cond: torch.Tensor, pred_uncond: torch.Tensor, target: torch.Tensor,
                  drop: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
                  sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, LossStats]:
-        """The loss and its stats (`LossStats`). All predictions and the target are (B, C, H, W), with the target's
-        channels (slice a learned variance off first).
+        """The loss and its stats (`LossStats`: scalars named `stats_prefix` + name, "imba/loss" and so on, and the
+        per-sample tensors). All predictions and the target are (B, C, H, W), with the target's channels (slice a
+        learned variance off first).
 
         Without `drop`: the literal form; every row contributes λ·L* + (1 − λ)·L_u, and both predictions must carry
         their gradient (one forward of 2B rows: captions, then the null caption).
@@ -473,6 +500,7 @@ class IMBALoss:
         }
         if drop is not None:
             scalars["caption_dropout_rate"] = drop.float().mean()
+        scalars = {self.stats_prefix + name: value for name, value in scalars.items()}
         return loss, LossStats(scalars, tensors)
 
     def draw_drop_mask(self, batch_size: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
@@ -487,7 +515,8 @@ class IMBALoss:
         prediction with its gradient (those rows had the null caption in `pred`'s pass), and the no-grad
         unconditional prediction `uncond` on the kept rows, where it only sets D. `uncond` holds all B rows or
         only the kept ones, in order; `kept`, the kept rows' indices where the caller has them (finding them
-        again would wait for the device)."""
+        again would wait for the device). The tensor carries `drop`, so that a loss call without the same
+        `drop=` is refused rather than taken for the literal form."""
         b = pred.shape[0]
         if drop.shape != (b,) or drop.dtype != torch.bool:
             raise ValueError(f"IMBALoss: drop must be a bool tensor of shape ({b},), got {drop.dtype} "
@@ -495,12 +524,15 @@ class IMBALoss:
         _check_channels("uncond", uncond, pred, "pred")
         uncond = uncond.detach().to(pred.dtype)
         if uncond.shape == pred.shape:
-            return torch.where(drop.view(-1, *([1] * (pred.dim() - 1))), pred, uncond)
-        kept = (~drop).nonzero(as_tuple=True)[0] if kept is None else kept
-        if uncond.shape[1:] != pred.shape[1:] or uncond.shape[0] != kept.numel():
-            raise ValueError(f"IMBALoss.efficient_uncond: uncond must hold all {b} rows or the {kept.numel()} kept "
-                             f"ones, each of shape {tuple(pred.shape[1:])}; got {tuple(uncond.shape)}")
-        return pred.index_put((kept,), uncond)
+            merged = torch.where(drop.view(-1, *([1] * (pred.dim() - 1))), pred, uncond)
+        else:
+            kept = (~drop).nonzero(as_tuple=True)[0] if kept is None else kept
+            if uncond.shape[1:] != pred.shape[1:] or uncond.shape[0] != kept.numel():
+                raise ValueError(f"IMBALoss.efficient_uncond: uncond must hold all {b} rows or the {kept.numel()} "
+                                 f"kept ones, each of shape {tuple(pred.shape[1:])}; got {tuple(uncond.shape)}")
+            merged = pred.index_put((kept,), uncond)
+        setattr(merged, _EFFICIENT_DROP, drop)
+        return merged
 
 
 def plain_loss(pred: torch.Tensor, target: torch.Tensor, sample_weights: torch.Tensor | None = None):

@@ -53,7 +53,7 @@ class TrainingLoss:
         self.same_passes_on_every_rank = same_passes_on_every_rank
         self.imba = IMBALoss(gamma=gamma, lam=lam, patch_size=patch_size, distance=distance, reference=reference,
                              normalize=normalize, granularity="sample" if kind == "imba_sample" else "token",
-                             timestep_reduce=timestep_reduce)
+                             timestep_reduce=timestep_reduce, stats_prefix="")  # train.py's log is its own
 
     def state_dict(self) -> dict:
         """The loss's running state (the timestep means of normalize="timestep_mean"; empty otherwise)."""

@@ -192,8 +192,9 @@ def check(seen: dict, estimator: str, world_size: int) -> None:
                                   "loss_cond_per_sample": [B]}
         floats = row["floats"]
         for key in ("loss", "loss_uncond", "weight_mean", "weight_std", "distance_mean"):
+            key = f"imba/{key}"
             assert isinstance(floats[key], float) and floats[key] == floats[key], (key, floats)
-        assert ("caption_dropout_rate" in floats) == (estimator == "efficient")
+        assert ("imba/caption_dropout_rate" in floats) == (estimator == "efficient")
     if estimator == "literal":
         assert all(g > 0 for g in seen["null_grad"]), seen["null_grad"]
     else:

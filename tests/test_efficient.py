@@ -97,7 +97,7 @@ def test_dropped_rows_ignore_pred_cond_and_kept_rows_ignore_uncond_gradient():
     loss.backward()
     assert torch.count_nonzero(pc.grad[0]) == 0 and torch.count_nonzero(pc.grad[1]) > 0
     assert torch.count_nonzero(pu.grad[1]) == 0 and torch.count_nonzero(pu.grad[0]) > 0
-    assert stats["caption_dropout_rate"].item() == 0.5
+    assert stats["imba/caption_dropout_rate"].item() == 0.5
 
 
 def test_drop_mask_rate_and_validation():

@@ -133,9 +133,24 @@ def test_stats_hold_weight_spread_and_terms():
     pc, pu, t = (torch.randn(2, 4, 4, 4, generator=g) for _ in range(3))
     loss, stats = IMBALoss()(pc, pu, t)
     for key in ("weight_mean", "weight_std", "loss_cond_weighted", "loss_uncond"):
-        assert torch.isfinite(stats[key])
-    torch.testing.assert_close(loss, 0.9 * stats["loss_cond_weighted"] + 0.1 * stats["loss_uncond"])
+        assert torch.isfinite(stats[f"imba/{key}"])
+    torch.testing.assert_close(loss, 0.9 * stats["imba/loss_cond_weighted"] + 0.1 * stats["imba/loss_uncond"])
     assert stats["distance_per_sample"].shape == (2,)
+
+
+def test_stats_are_named_so_that_they_cannot_overwrite_a_scripts_own_keys():
+    """A script logs `{"loss": ...}` next to the stats: every scalar is prefixed ("imba/"), the tensors keep their
+    names (they are not logged); `stats_prefix` picks another prefix, "" the bare names."""
+    g = torch.Generator().manual_seed(6)
+    pc, pu, t = (torch.randn(2, 4, 4, 4, generator=g) for _ in range(3))
+    for drop in (None, torch.tensor([True, False])):
+        loss, stats = IMBALoss()(pc, pu, t, drop=drop)
+        assert stats and all(name.startswith("imba/") for name in stats), list(stats)
+        assert {"loss": 1.0, **stats.floats()}["loss"] == 1.0 and stats.floats()["imba/loss"] == loss.item()
+        assert set(stats.tensors) == {"distance_per_sample", "distance_per_token", "loss_cond_per_sample"}
+    _, bare = IMBALoss(stats_prefix="")(pc, pu, t, drop=drop)
+    _, other = IMBALoss(stats_prefix="train/imba_")(pc, pu, t, drop=drop)
+    assert [f"imba/{name}" for name in bare] == list(stats) == [f"imba/{n[len('train/imba_'):]}" for n in other]
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -45,15 +45,15 @@ def _explicit(pred_cond, pred_uncond, target, drop, reference, normalize, gamma,
     sw = [1.0] * B if sample_weights is None else sample_weights.tolist()
     kept_rows = [b for b in range(B) if keep[b]]
     valid_rows = [b for b in range(B) if valid[b]]
-    return {"loss": sum(w * r for w, r in zip(sw, per_row)) / B,
-            "loss_cond_weighted": sum(rows[b][0] for b in kept_rows) / len(kept_rows),
-            "loss_uncond": sum(u for _, u in rows) / B,
-            "loss_cond_plain": float(cond_err[kept_rows].mean()),
-            "weight_mean": float(weight[valid_rows].mean()),
-            "weight_std": float(weight[valid_rows].std(unbiased=False)),
-            "weight_max": float(weight[valid_rows].max()),
-            "distance_mean": float(d[valid_rows].mean()),
-            "caption_dropout_rate": sum(map(bool, drop)) / B}, d, cond_err, valid
+    return {"imba/loss": sum(w * r for w, r in zip(sw, per_row)) / B,
+            "imba/loss_cond_weighted": sum(rows[b][0] for b in kept_rows) / len(kept_rows),
+            "imba/loss_uncond": sum(u for _, u in rows) / B,
+            "imba/loss_cond_plain": float(cond_err[kept_rows].mean()),
+            "imba/weight_mean": float(weight[valid_rows].mean()),
+            "imba/weight_std": float(weight[valid_rows].std(unbiased=False)),
+            "imba/weight_max": float(weight[valid_rows].max()),
+            "imba/distance_mean": float(d[valid_rows].mean()),
+            "imba/caption_dropout_rate": sum(map(bool, drop)) / B}, d, cond_err, valid
 
 
 @pytest.mark.parametrize("reference", ["target", "cond"])
@@ -67,7 +67,7 @@ def test_the_efficient_form_and_its_stats_equal_explicit_loops(reference, normal
     loss, stats = loss_fn(pred_cond, pred_uncond, target, drop=drop, sample_weights=sample_weights)
     want, d, cond_err, valid = _explicit(pred_cond, pred_uncond, target, drop, reference, normalize, 0.7,
                                          sample_weights)
-    assert float(loss) == pytest.approx(want["loss"], rel=1e-12)
+    assert float(loss) == pytest.approx(want["imba/loss"], rel=1e-12)
     assert stats.floats() == pytest.approx(want, rel=1e-12)
     invalid = torch.tensor([not v for v in valid])
     per_sample, per_token = stats["distance_per_sample"], stats["distance_per_token"]
@@ -85,7 +85,7 @@ def test_the_literal_form_per_sample_stats_have_no_gaps():
     for name in ("distance_per_sample", "distance_per_token", "loss_cond_per_sample"):
         assert not stats[name].isnan().any()
     assert torch.allclose(stats["distance_per_sample"], _token_mse(target, pred_uncond).mean(dim=1), rtol=1e-12)
-    assert "caption_dropout_rate" not in stats
+    assert "imba/caption_dropout_rate" not in stats
 
 
 def test_every_row_dropped_with_the_cond_reference_leaves_the_weight_stats_undefined():
@@ -94,8 +94,8 @@ def test_every_row_dropped_with_the_cond_reference_leaves_the_weight_stats_undef
     loss, stats = IMBALoss(patch_size=P, reference="cond")(pred_cond, pred_uncond, target, drop=drop)
     floats = stats.floats()
     for name in ("weight_mean", "weight_std", "weight_max", "distance_mean"):
-        assert math.isnan(floats[name]), name
-    assert floats["caption_dropout_rate"] == 1.0 and floats["loss_cond_weighted"] == 0.0
+        assert math.isnan(floats[f"imba/{name}"]), name
+    assert floats["imba/caption_dropout_rate"] == 1.0 and floats["imba/loss_cond_weighted"] == 0.0
     assert float(loss) == pytest.approx(float((pred_uncond - target).pow(2).mean()), rel=1e-12)
 
 
@@ -263,7 +263,7 @@ def test_one_kept_row_is_the_conditional_loss_by_itself():
     pred_cond, pred_uncond, target = _inputs(6)
     drop = torch.tensor([True, True, False, True])
     _, stats = IMBALoss(patch_size=P, gamma=0.0)(pred_cond, pred_uncond, target, drop=drop)
-    assert float(stats["loss_cond_weighted"]) == pytest.approx(float((pred_cond[2] - target[2]).pow(2).mean()),
+    assert float(stats["imba/loss_cond_weighted"]) == pytest.approx(float((pred_cond[2] - target[2]).pow(2).mean()),
                                                                rel=1e-12)
 
 

@@ -162,7 +162,7 @@ def test_stats_map_scalars_and_keep_tensors_apart(drop):
     assert "distance_per_token" in stats and "distance_per_token" not in list(stats)
     floats = stats.floats()
     assert list(floats) == list(stats) and all(type(v) is float for v in floats.values())
-    assert floats["loss"] == pytest.approx(stats["loss"].item())
+    assert floats["imba/loss"] == pytest.approx(stats["imba/loss"].item())
     stats["grad_norm"] = torch.tensor(3.0)
     stats["per_row_extra"] = torch.ones(2)  # a tensor with dimensions goes with the tensors
     assert "per_row_extra" in stats.tensors and "per_row_extra" not in dict(stats)
@@ -253,6 +253,48 @@ def test_floating_timesteps_in_0_1_are_refused_unless_the_loss_declares_them():
     IMBALoss()(pc, pu, t, timesteps=sigmas)  # unused by the other normalisations
 
 
+def test_timestep_mean_refuses_timesteps_outside_its_bins():
+    """Timesteps the bins do not cover (a scheduler of 10000 steps, negatives, NaN) would all be clamped into the
+    first or last bin: integers must lie in 0..T-1, floats in [0, T] (a flow schedule's σ = 1 gives T itself)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pc, pu, t = tensors(2, 4, 4, 4)
+    for bad in (torch.tensor([0, 9999]), torch.tensor([-1, 5]), torch.tensor([3, 1000]), torch.tensor([-0.5, 7.0]),
+                torch.tensor([2.0, 1000.5]), torch.tensor([float("nan"), 3.0])):
+        with pytest.raises(ValueError, match=r"outside the 0 to (999|1000) that the timestep bins of "
+                                             r"num_train_timesteps=1000 split: build the loss with the scheduler's"):
+            IMBALoss(normalize="timestep_mean")(pc, pu, t, timesteps=bad)
+    loss_fn = IMBALoss(normalize="timestep_mean")
+    loss_fn(pc, pu, t, timesteps=torch.tensor([0, 999]))
+    flow = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000).timesteps
+    loss_fn(pc, pu, t, timesteps=flow[[0, -1]])  # 1000.0 (σ = 1) and 1.0
+    with pytest.raises(ValueError, match="range from 0 to 2000"):  # a later batch too, where reading it is free
+        loss_fn(pc, pu, t, timesteps=torch.tensor([0, 2000]))
+    with pytest.raises(ValueError, match=r"0 to 1 that the timestep bins of num_train_timesteps=1 split"):
+        IMBALoss(normalize="timestep_mean", num_train_timesteps=1)(pc, pu, t, timesteps=torch.tensor([0.5, 250.0]))
+    IMBALoss()(pc, pu, t, timesteps=torch.tensor([0, 9999]))  # unused by the other normalisations
+
+
+def test_the_efficient_forms_unconditional_prediction_needs_its_drop_mask():
+    """`efficient_uncond`'s tensor carries gradient on the dropped rows, so without `drop=` the loss would take it
+    for the literal form's, even on a step that dropped no row: refused, as is another mask than its own."""
+    pred, = tensors(4, 4, 4, 4, n=1, grad=True)
+    uncond, target = tensors(4, 4, 4, 4, n=2, seed=1)
+    loss_fn = IMBALoss()
+    for drop in (torch.tensor([True, False, True, False]), torch.zeros(4, dtype=torch.bool)):
+        for merged in (loss_fn.efficient_uncond(pred, uncond, drop), loss_fn.efficient_uncond(pred, uncond[~drop], drop)):
+            with pytest.raises(ValueError, match=r"efficient_uncond, the efficient form, but the call has no drop=: "
+                                                 r"pass drop=drop") as err:
+                loss_fn(pred, merged, target)
+            assert "\n" not in str(err.value)
+            with pytest.raises(ValueError, match="another drop mask than this call's drop=: pass the same mask"):
+                loss_fn(pred, merged, target, drop=~drop)
+            loss_fn(pred, merged, target, drop=drop)
+            loss_fn(pred, merged, target, drop=drop.clone())  # the same mask, another tensor
+    literal_uncond, = tensors(4, 4, 4, 4, n=1, seed=2, grad=True)
+    loss_fn(pred, literal_uncond, target)  # the literal form's own unconditional prediction: no mask to ask for
+
+
 def test_timestep_means_reduce_over_processes_unless_told_not_to():
     calls = []
     fn = IMBALoss(normalize="timestep_mean", timestep_reduce=lambda totals: calls.append(totals.shape))
@@ -309,7 +351,14 @@ def test_null_caption_fills_rows_at_the_captions_length_dtype_and_device(text):
     assert torch.equal(mixed_mask[1], both_mask[3])
     short, short_mask = null.expand(3, like=(embeds[:, :2], captions.attention_mask[:, :2]))
     assert short.shape == (3, 2, 8) and short_mask.tolist() == [[1, 0]] * 3
-    assert null.kwargs(2)["encoder_attention_mask"].shape == (2, 6)
+    # the null caption alone (the efficient form's no-grad pass) follows the captions cat and where last saw: the
+    # transformer gets the dtype the script gives it, not the encoder's
+    follows = null.kwargs(2)
+    assert follows["encoder_attention_mask"].shape == (2, 10) and follows["encoder_hidden_states"].dtype == torch.bfloat16
+    assert torch.equal(follows["encoder_hidden_states"][1], both[3])
+    fresh = NullCaption.encode(tokenizer, encoder, max_length=6).kwargs(2)  # before any captions: the encoder's
+    assert fresh["encoder_attention_mask"].shape == (2, 6) and fresh["encoder_hidden_states"].dtype == torch.float32
+    assert null.expand(1, like=embeds.float())[0].dtype == torch.float32  # captions' embeddings alone will do
 
 
 @pytest.mark.parametrize("null_length, caption_length", [(6, 12), (12, 6)])
@@ -327,6 +376,38 @@ def test_empty_captions_are_refused_whatever_length_either_was_encoded_at(text, 
     with pytest.raises(ValueError, match=r"caption rows \[1\] already are the null caption"):
         null.where(torch.tensor([False, False]), embeds.to(torch.bfloat16), tokens.attention_mask)
     null.cat(embeds[:1], tokens.attention_mask[:1])  # a caption is let through
+
+
+@pytest.mark.parametrize("caption_length", [8, 12, 5])
+def test_empty_captions_are_refused_without_a_padding_mask(text, caption_length):
+    """A script that gives the transformer an all-ones mask (it does not pad-mask): its dropped rows are told
+    from the captions by their embeddings, every position both hold, at any length."""
+    tokenizer, encoder = text
+    null = NullCaption.encode(tokenizer, encoder, max_length=8)
+    tokens = tokenizer(["a cat", ""], padding="max_length", max_length=caption_length, truncation=True,
+                       return_tensors="pt")
+    with torch.no_grad():
+        embeds = encoder(tokens.input_ids, attention_mask=tokens.attention_mask)[0]
+    ones = torch.ones_like(tokens.attention_mask)
+    with pytest.raises(ValueError, match=r"caption rows \[1\] already are the null caption"):
+        null.cat(embeds, ones)
+    with pytest.raises(ValueError, match=r"caption rows \[1\] already are the null caption"):
+        null.where(torch.tensor([False, False]), embeds.to(torch.bfloat16), ones.bool())
+    null.cat(embeds[:1], ones[:1])  # a caption is let through
+
+
+def test_unmasked_captions_that_share_the_null_captions_first_states_are_let_through():
+    """A causal text encoder gives every caption the same state for its first token (<bos>), which is all the
+    null caption attends to: without a padding mask the rest of the row tells a caption from ""."""
+    g = torch.Generator().manual_seed(0)
+    null_embeds = torch.randn(1, 6, 8, generator=g)
+    null = NullCaption(null_embeds, torch.tensor([[1, 0, 0, 0, 0, 0]]))
+    captions = torch.randn(3, 6, 8, generator=g)
+    captions[:, 0] = null_embeds[0, 0]  # the shared <bos> state
+    captions[2] = null_embeds[0]  # "" encoded by the script
+    with pytest.raises(ValueError, match=r"caption rows \[2\] already are the null caption"):
+        null.cat(captions, torch.ones(3, 6, dtype=torch.long))
+    null.cat(captions[:2], torch.ones(2, 6, dtype=torch.long))
 
 
 def test_null_caption_needs_a_device_for_an_encoder_without_parameters(text):
