@@ -38,7 +38,7 @@ from PIL import Image
 
 from .files import atomic_write, read_json_object, write_json
 from .images import IMAGE_EXTENSIONS
-from .skips import CORRUPT_TAR, UNREADABLE_SHARD
+from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples
 from .remote import RemoteReadError, ShardCache, StoreUnreachable, checksum as remote_checksum, is_indexable_remote
 from .tars import split_key_ext, walk_tar_buffer
 from .urls import expand_urls, is_pipe
@@ -448,6 +448,10 @@ def load_or_build_index(
     if dead and not any(s["nsamples"] for s in shardlist):
         raise dead[0]  # the store is down and nothing is in the cache: its one line, not the shard format's
     total = sum(s["nsamples"] for s in shardlist)
+    unreadable = [s for s in shardlist if str(s.get("error", "")).startswith(UNREADABLE_SHARD)]
+    if total == 0 and len(unreadable) == len(shardlist):  # the store's or the file system's error, not the format's
+        raise NoUsableSamples(f"none of the {len(paths)} shard(s) could be read, the first {unreadable[0]['url']}: "
+                              f"{' '.join(unreadable[0]['error'].split())[:300]}")
     if total == 0:
         raise ValueError(
             f"no samples found in {len(paths)} shard(s) ({paths[0]}, ...): indexed mode needs uncompressed "

@@ -113,10 +113,21 @@ class IndexedShards(torch.utils.data.Dataset):
             UNREADABLE_SHARD)}
         budget = (cache if cache is not None else self.index.cache or DEFAULT_BUDGET)
         self.max_bad_shards = getattr(budget, "budget", budget).max_bad_shards
+        if self._failed:
+            last = self.index.shardlist[max(self._failed)]
+            self._check_failed_share(last["url"], last["error"])
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def _check_failed_share(self, url: str, why: str) -> None:
+        """`TooManyBadShards` once more than data.max_bad_shards of the shards failed, at indexing or here."""
+        shards = len(self.index.urls)
+        if len(self._failed) > self.max_bad_shards * shards:
+            raise TooManyBadShards(f"{len(self._failed)} of the {shards} shards of {self.stats.where} could not be "
+                                   f"read (more than data.max_bad_shards={self.max_bad_shards:g}), the last {url}: "
+                                   f"{why[:200]}; check the store and the shards")
 
     def fingerprint(self) -> str:
         """What decides `self[i]`, hashed: the shards (`ShardIndex.identity`) and how a sample is decoded from them
@@ -193,11 +204,7 @@ class IndexedShards(torch.utils.data.Dataset):
             self.stats.count(UNREADABLE_SHARD, f"skipping shard {url}: {UNREADABLE_SHARD} ({exn})", shard=True)
             self.stats.failed(f"{UNREADABLE_SHARD} {url}")
             self._failed.add(shard)
-            shards = len(self.index.urls)
-            if len(self._failed) > self.max_bad_shards * shards:
-                raise TooManyBadShards(f"{len(self._failed)} of the {shards} shards of {self.stats.where} could not "
-                                       f"be read (more than data.max_bad_shards={self.max_bad_shards:g}), the last "
-                                       f"{url}: {str(exn)[:200]}; check the store and the shards") from exn
+            self._check_failed_share(url, str(exn))
             return None
         try:
             raw = self.raw(i)

@@ -46,7 +46,7 @@ from typing import Any, Callable, TypeVar
 from .tars import INDEXABLE_PREFIXES
 
 __all__ = ["INDEXABLE_PREFIXES", "is_indexable_remote", "ShardChanged", "RemoteReadError", "StoreUnreachable",
-           "StoreBudget", "raised_line", "stat", "parse_size", "checksum", "ShardCache", "default_cache_dir", "read_json",
+           "StoreBudget", "set_default_budget", "raised_line", "stat", "parse_size", "checksum", "ShardCache", "default_cache_dir", "read_json",
            "read_bytes", "glob", "filesystem"]
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,14 @@ class StoreBudget:
 
 
 DEFAULT_BUDGET = StoreBudget()
+
+
+def set_default_budget(budget: StoreBudget) -> None:
+    """The budget of the reads made before a run's cache exists (a glob's listing, the precompute manifest and null
+    text, read while shard specs are expanded): a run sets its data settings' budget here once, at start, so a dead
+    store ends those reads within data.store_timeout too."""
+    global DEFAULT_BUDGET
+    DEFAULT_BUDGET = budget
 
 
 class RemoteReadError(OSError):
@@ -242,7 +250,7 @@ def glob(spec: str, budget: StoreBudget | None = None) -> list[str]:
     lists a folder only where it serves a page of links to its files; [] otherwise). Each listing is kept
     in `<default_cache_dir()>/listings`: when the store does not answer, the last one is used, said in one line, so
     that a restart with the store down can read the cached shards. `budget`: default `DEFAULT_BUDGET`."""
-    budget = budget or DEFAULT_BUDGET  # looked up when called: a spec is expanded before any setting is read
+    budget = budget or DEFAULT_BUDGET  # looked up when called: `set_default_budget` may have changed it
     fs, path = filesystem(spec, budget)
     scheme = spec.split("://")[0]
     kept = _kept("listings", spec)

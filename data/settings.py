@@ -123,9 +123,13 @@ class DataConfig:
 
     def cache(self) -> ShardCache:
         """The local cache remote shards are read through (data.cache_dir, data.cache_limit), within the store's
-        budget (data.store_timeout, data.store_attempts; data.max_bad_shards, which the readers apply)."""
-        return ShardCache(self.cache_dir, self.cache_limit, StoreBudget(self.store_timeout, self.store_attempts,
-                                                                          self.max_bad_shards))
+        budget (`store_budget`)."""
+        return ShardCache(self.cache_dir, self.cache_limit, self.store_budget())
+
+    def store_budget(self) -> StoreBudget:
+        """Every read's retry budget: data.store_timeout, data.store_attempts; data.max_bad_shards, which the
+        readers apply."""
+        return StoreBudget(self.store_timeout, self.store_attempts, self.max_bad_shards)
 
     def decoding(self) -> dict:
         """What turns a shard's record into a training sample, as keywords of `data.loaders.build_loader` and

@@ -234,6 +234,24 @@ def test_the_store_settings_reach_the_cache_every_remote_read_goes_through():
     assert load_config([]).data.cache().budget == StoreBudget()  # the defaults are the budget's own
 
 
+def test_a_run_lists_globs_and_reads_manifests_within_its_own_store_budget(tmp_path, monkeypatch):
+    # a glob's listing and a precompute manifest are read while shard specs are expanded, before any cache exists:
+    # the run's data settings must be their budget too, or a dead store is waited for the default 120 s there
+    from accelerate import Accelerator
+
+    from data import remote
+    from data.synthetic import write_synthetic_shards
+    from imba.training.config import load_config
+    from imba.training.inputs import training_sources
+
+    monkeypatch.setattr(remote, "DEFAULT_BUDGET", remote.DEFAULT_BUDGET)  # restored after the test
+    shards = write_synthetic_shards(tmp_path / "a", num_samples=4, samples_per_shard=4, resolution=32, seed=3)
+    cfg = load_config([f"data.shards={shards[0]}", "data.store_timeout=7", "data.store_attempts=3",
+                       f"train.output_dir={tmp_path / 'out'}"])
+    training_sources(cfg, Accelerator(cpu=True), tmp_path / "out")
+    assert remote.DEFAULT_BUDGET == StoreBudget(timeout_s=7, attempts=3)
+
+
 def test_a_process_killed_during_a_download_leaves_nothing_a_reader_would_open(local, s3, tmp_path):
     s3.faults.trickle_s = 0.05  # 64 kB every 50 ms: the 800 kB below take 0.65 s, long enough to be killed in
     big = tmp_path / "big.tar"

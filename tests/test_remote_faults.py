@@ -4,6 +4,7 @@ are never read, a restart with the store down reads the complete cached copies, 
 index is built, too many unreadable shards stop the reader."""
 
 import itertools
+from collections import Counter
 import logging
 import os
 import threading
@@ -16,7 +17,7 @@ from data import remote
 from data.index import load_or_build_index
 from data.indexed import IndexedShards, TooManyBadShards, make_indexed_loader
 from data.remote import ShardCache, ShardChanged, StoreBudget, StoreUnreachable
-from data.skips import UNREADABLE_SHARD
+from data.skips import UNREADABLE_SHARD, NoUsableSamples
 from data.synthetic import write_synthetic_shards
 from data.urls import expand_urls
 from fault_proxy import FaultProxy
@@ -202,6 +203,26 @@ def test_more_unreadable_shards_than_data_max_bad_shards_stop_the_reader_in_one_
         keys_and_pixels(index)
 
 
+def test_shards_the_store_fails_while_the_index_is_built_count_against_data_max_bad_shards(local, store, tmp_path):
+    server, proxy = store
+    urls = server.upload("shards", "build", local)
+    proxy.set("error", path="synthetic-000001")  # 503 to every request for one shard of 4, from the first index on
+    strict = ShardCache(tmp_path / "strict", budget=StoreBudget(timeout_s=1, attempts=2, max_bad_shards=0.2))
+    index = load_or_build_index(urls, cache=strict)
+    assert index.nsamples == [6, 0, 6, 6] and index.shardlist[1]["error"].startswith(UNREADABLE_SHARD)
+    with pytest.raises(TooManyBadShards, match=r"^1 of the 4 shards of .* could not be read \(more than "
+                                               r"data.max_bad_shards=0.2\), the last s3://shards/build/synthetic-"
+                                               r"000001.tar: unreadable shard: .*; check the store and the shards$"):
+        IndexedShards(index, RES, cache=strict)  # refused before the first read, not after
+    lenient = ShardCache(tmp_path / "lenient", budget=FAST)  # 0.5: the shard is left out, counted once
+    reader = IndexedShards(load_or_build_index(urls, cache=lenient), RES, cache=lenient)
+    assert reader.stats.shard_errors == 1
+    proxy.set("error", path="synthetic-00000")  # every shard: the store's answer, not the shard format, is blamed
+    with pytest.raises(NoUsableSamples, match=r"^none of the 4 shard\(s\) could be read, the first s3://shards/build/"
+                                              r"synthetic-000000.tar: unreadable shard: RemoteReadError: .*Service Unavailable"):
+        load_or_build_index(urls, cache=ShardCache(tmp_path / "all", budget=FAST))
+
+
 def test_downloads_reserve_their_size_before_they_start(tmp_path):
     cache = ShardCache(tmp_path, limit=3000)
     old, recent = tmp_path / "a-old.tar", tmp_path / "b-recent.tar"
@@ -301,6 +322,24 @@ def test_the_caption_check_reads_remote_shards_through_the_cache(local, store, t
     proxy.set("error", path="synthetic-000000")  # a shard the store does not give: its captions skipped
     fresh = ShardCache(tmp_path / "fresh", budget=FAST)
     assert sample_captions([urls], "caption", per_source=3, cache=fresh) == want[6:9]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_concept_statistics_of_remote_shards_are_those_of_their_local_copies(local, store, tmp_path, workers):
+    from data.concepts import collect_stats
+
+    server, proxy = store
+    urls = server.upload("shards", "concepts", local)
+    budget = StoreBudget(timeout_s=20, attempts=2)  # time for a fresh connection where a pooled one went stale
+    cache = ShardCache(tmp_path / "cache", budget=budget)
+    want = collect_stats(local)
+    got = collect_stats("s3://shards/concepts/*.tar", cache=cache, workers=workers)
+    assert got.num_captions == want.num_captions == 24 and got.counts == want.counts and got.skipped == Counter()
+    assert got.pair_counts == want.pair_counts and got.sources == urls
+    assert len(copies(cache)) == 4  # read as the training reader reads them: downloaded once, kept
+    proxy.set("error", path="synthetic-000002")  # a shard the store does not give: counted, the others read
+    partial = collect_stats(urls, cache=ShardCache(tmp_path / "fresh", budget=budget))
+    assert partial.num_captions == 18 and partial.skipped == Counter({"unreadable shard": 1})
 
 
 @pytest.mark.parametrize("mode", ["hang", "refuse"])

@@ -3,7 +3,8 @@ and read two shards at a time: 2 processes, then 1, killed with SIGKILL after a 
 parameters of the same runs without the kill and train on the samples one uninterrupted process draws; each remote
 shard is downloaded once while it fits the cache; no credential is written anywhere. A store that dies mid-run (the
 fault proxy refusing) ends the run in one line with the requeue exit status and a checkpoint that resumes to the
-uninterrupted run's parameters once the store is back."""
+uninterrupted run's parameters once the store is back; restarted with the store down, a run trains from the complete
+copies in its cache."""
 
 import os
 import re
@@ -123,8 +124,9 @@ def test_a_store_that_dies_mid_run_ends_it_in_one_line_with_a_checkpoint_that_re
         return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
     try:
-        full = subprocess.run([sys.executable, *args(tmp_path / "full")], cwd=tmp_path, env=environment,
-                              capture_output=True, text=True, timeout=600)
+        # this run's cache keeps every shard: it is restarted below with the store down
+        full = subprocess.run([sys.executable, *args(tmp_path / "full"), "data.cache_limit=0"], cwd=tmp_path,
+                              env=environment, capture_output=True, text=True, timeout=600)
         assert full.returncode == 0, full.stderr[-3000:]
         died = tmp_path / "died"
         proc = subprocess.Popen([sys.executable, *args(died)], cwd=tmp_path, env=environment, text=True,
@@ -146,5 +148,14 @@ def test_a_store_that_dies_mid_run_ends_it_in_one_line_with_a_checkpoint_that_re
                                  text=True, timeout=600)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert digests(resumed.stdout + resumed.stderr) == digests(full.stdout + full.stderr) != {}
+        # restarted while the store is down, with every shard complete in its cache: it trains from the cache,
+        # within data.store_timeout (the glob's listing too), saying so
+        proxy.set("refuse")
+        later = subprocess.run([sys.executable, *args(tmp_path / "full"), "data.cache_limit=0", "train.max_steps=10"],
+                               cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+        assert later.returncode == 0, later.stderr[-3000:]
+        said = later.stdout + later.stderr
+        assert "using its last listing" in said and "of them read from their complete copies in" in said, said[-3000:]
+        assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 10
     finally:
         proxy.close()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tarfile
 from collections import Counter
 from typing import Any, Iterator
 
 from ..decode import sample_caption
+from ..remote import ShardCache, is_indexable_remote
 from ..tars import split_key_ext, walk_tar
 
 __all__ = ["iter_shard_captions", "iter_caption_file"]
@@ -24,9 +26,11 @@ def _is_caption_member(name: str) -> bool:
 
 
 def iter_shard_captions(url: str, caption_field: str = "caption", skipped: Counter | None = None,
-                        keep_missing: bool = False) -> Iterator[str]:
+                        keep_missing: bool = False, cache: ShardCache | None = None) -> Iterator[str]:
     """Captions of the samples in one img2dataset-layout tar shard, in order, without reading any image.
     `keep_missing=True` yields "" for a sample without a usable caption, so the captions line up with the samples.
+    A shard on object storage is read from its copy in `cache` (default `ShardCache()`), downloaded there first and
+    checked as the training reader's is; a store that does not answer raises `StoreUnreachable`.
 
     A sample's caption is its `key.txt`, else `key.json[caption_field]` (`data.decode.sample_caption`). Samples
     without a caption, with an undecodable json, and shards that cannot be read (to the end) are counted in
@@ -52,8 +56,14 @@ def iter_shard_captions(url: str, caption_field: str = "caption", skipped: Count
         elif keep_missing:
             yield ""
 
+    fd = None
     try:
-        for name, data in walk_tar(url, _is_caption_member):
+        path = url
+        if is_indexable_remote(url):  # through the descriptor: another process's eviction cannot take the copy
+            store = cache or ShardCache()
+            fd = store.open(url, store.stat(url))
+            path = f"/dev/fd/{fd}"
+        for name, data in walk_tar(path, _is_caption_member):
             key_ext = split_key_ext(name)
             if key_ext is None:  # webdataset's own members (__index__, ...) belong to no sample
                 continue
@@ -67,6 +77,9 @@ def iter_shard_captions(url: str, caption_field: str = "caption", skipped: Count
     except (OSError, tarfile.TarError, EOFError, ValueError) as exn:
         skipped["unreadable shard"] += 1
         log.warning("skipping the rest of unreadable shard %s: %r", url, exn)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 _JSON_TEXT_FIELDS = ("caption", "text", "prompt")

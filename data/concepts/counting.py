@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
+from ..remote import ShardCache
 from ..urls import expand_urls
 from .captions import iter_caption_file, iter_shard_captions
 from .vocab import Extractor, default_extractor, extract_batch
@@ -88,18 +89,19 @@ def count_concepts(captions: Iterable[str], extractor: Extractor | None = None) 
     return stats
 
 
-def _source_captions(source: tuple[str, str], caption_field: str, skipped: Counter) -> Iterator[str]:
+def _source_captions(source: tuple[str, str], caption_field: str, skipped: Counter,
+                     cache: ShardCache | None = None) -> Iterator[str]:
     kind, path = source
     if kind == "shard":
-        return iter_shard_captions(path, caption_field, skipped)
+        return iter_shard_captions(path, caption_field, skipped, cache=cache)
     return iter_caption_file(path, caption_field, skipped)
 
 
-def _count_source(job: tuple[tuple[str, str], Extractor, str]) -> ConceptStats:
+def _count_source(job: tuple[tuple[str, str], Extractor, str, ShardCache | None]) -> ConceptStats:
     """One shard or caption file -> its ConceptStats (runs in worker processes)."""
-    source, extractor, caption_field = job
+    source, extractor, caption_field, cache = job
     stats = ConceptStats(sources=[source[1]])
-    _count_into(stats, _source_captions(source, caption_field, stats.skipped), extractor)
+    _count_into(stats, _source_captions(source, caption_field, stats.skipped, cache), extractor)
     return stats
 
 
@@ -110,8 +112,10 @@ def collect_stats(
     caption_field: str = "caption",
     workers: int = 1,
     progress: bool = False,
+    cache: ShardCache | None = None,
 ) -> ConceptStats:
-    """Concept statistics of tar shards (anything `expand_urls` accepts) and/or caption files.
+    """Concept statistics of tar shards (anything `expand_urls` accepts) and/or caption files. Shards on object
+    storage are read from their copies in `cache` (default `ShardCache()`), as the training reader reads them.
 
     `workers > 1` counts shards/files in that many processes (one source per task; results are merged, so the
     totals equal a one-process run). Raises FileNotFoundError (one line) for missing inputs.
@@ -140,7 +144,7 @@ def collect_stats(
         import multiprocessing as mp
 
         context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        jobs = [(source, extractor, caption_field) for source in sources]
+        jobs = [(source, extractor, caption_field, cache) for source in sources]
         with context.Pool(min(workers, len(sources))) as pool:  # workers start here, before tqdm's thread
             bar = make_bar()
             try:
@@ -161,7 +165,7 @@ def collect_stats(
             if bar is not None:
                 bar.set_postfix_str(f"source {done}/{len(sources)}", refresh=False)
             part = ConceptStats(sources=[source[1]])
-            _count_into(part, _source_captions(source, caption_field, part.skipped), extractor, bar)
+            _count_into(part, _source_captions(source, caption_field, part.skipped, cache), extractor, bar)
             total.merge(part)
     finally:
         if bar is not None:

@@ -20,6 +20,7 @@ from data.files import read_json_object, write_json
 from data.index import ShardIndex
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import MANIFEST_NAME, find_manifest
+from data.remote import set_default_budget
 from data.skips import NoUsableSamples, too_small_advice
 from data.sources import Source, SourceMix, SourcePlace, check_same_kind, resolve_sources, safe_name
 from data.stream import PLAN_POLL_S, caption_workers, draw_plan as stream_plan, make_stream, reader_fingerprint
@@ -38,6 +39,7 @@ def training_sources(cfg: Config, accelerator: Accelerator, out: Path) -> list[S
     main process, into the run folder (`RunFolder.synthetic_train` for the one source, `RunFolder.sources` for
     data.sources)."""
     d, run = cfg.data, RunFolder(out)
+    set_default_budget(d.store_budget())  # a glob's listing and a precompute manifest are read within it too
     place = SourcePlace(run.sources if d.sources else run.synthetic_train, resolution=d.resolution,
                         seed=cfg.train.seed, is_main=accelerator.is_main_process, wait=accelerator.wait_for_everyone)
     if not d.sources:

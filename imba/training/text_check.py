@@ -13,20 +13,16 @@ shard cache), with the run's tokenizer alone:
 
 from __future__ import annotations
 
-import logging
-import os
 from itertools import islice
 
 from accelerate import Accelerator
 
 from data.concepts.captions import iter_shard_captions
-from data.remote import ShardCache, is_indexable_remote
+from data.remote import ShardCache
 from data.sources import Source
 from data.synthetic import CAPTION_WORDS
 from imba.training.config import Config, ConfigError
 from models.text_encoder import CaptionReading, load_tokenizer, read_captions
-
-log = logging.getLogger(__name__)
 
 SAMPLE = 256  # captions read per source
 REFUSE_UNKNOWN = 0.5  # share of unknown tokens that refuses the run
@@ -39,20 +35,8 @@ def sample_captions(sources: list[Source] | list[list[str]], caption_field: str,
     """The first `per_source` captions of each source (a `Source`, or a list of shard URLs), its shards in order, no
     image read; a shard on object storage from its copy in `cache` (downloaded there first, as the reader would)."""
     def captions(urls: list[str]):
-        for url in urls:
-            if not is_indexable_remote(url):
-                yield from iter_shard_captions(url, caption_field)
-                continue
-            store = cache or ShardCache()
-            try:
-                fd = store.open(url, store.stat(url))
-            except OSError as exn:  # a shard the store does not give: skipped here as the reader will
-                log.warning("skipping the captions of %s: %s", url, exn)
-                continue
-            try:  # read through the descriptor: another process's eviction cannot take the copy meanwhile
-                yield from iter_shard_captions(f"/dev/fd/{fd}", caption_field)
-            finally:
-                os.close(fd)
+        for url in urls:  # a shard the store does not give is skipped here, as the reader will
+            yield from iter_shard_captions(url, caption_field, cache=cache)
 
     return [caption for source in sources
             for caption in islice(captions(source.urls if isinstance(source, Source) else source), per_source)]
