@@ -98,11 +98,44 @@ def src(tmp_path):
         (root / rel).write_bytes(data)
         if caption is not None:
             (root / rel).with_suffix(".txt").write_bytes(caption)
-    (root / "notes.md").write_text("not an image")
+    (root / "a" / "ghost.txt").write_text("a caption whose image was never copied")  # an orphan caption
+    (root / "b" / "deeper" / "lost.txt").write_text("another orphan")
+    (root / "b" / "deeper" / "lost.json").write_text("{}")  # its sidecar: part of the orphan, not another input
+    (root / "b" / "phone.HEIC").write_bytes(b"\0\0\0\x18ftypheic")  # a format the readers do not decode ...
+    (root / "b" / "phone.txt").write_text("a photo from a phone")  # ... with its caption, which is no orphan
+    (root / "b" / "scan.tiff").write_bytes(b"II*\0")  # ... and without one
+    (root / "notes.md").write_text("not an image")  # no input: named as ignored
     (root / "a" / "._cat.jpg").write_bytes(b"macOS resource fork")  # hidden: ignored
     expected_skips = {"missing or empty caption": 2, "non-UTF-8 text": 1, "bad image": 2, "zero-byte image": 1,
-                      "unsupported image format": 1, "image too small": 1}
+                      "unsupported image format": 3, "image too small": 1, "caption without an image": 2}
     return root, good, expected_skips
+
+
+def test_every_input_not_written_is_counted_by_reason_orphan_captions_included(src, tmp_path):
+    root, good, skips = src
+    summary = writers.write_folder(root, tmp_path / "out", min_size=5, progress=False, build_index=False)
+    # the inputs, counted from the folder apart from the writer: each image file (any format) and each caption
+    # whose stem names no image
+    files = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    images = {f for f in files if f.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".heic", ".tiff"))}
+    stems = {f.rsplit(".", 1)[0] for f in images}
+    orphans = {f for f in files if f.endswith(".txt") and f.rsplit(".", 1)[0] not in stems}
+    assert orphans == {"a/ghost.txt", "b/deeper/lost.txt"}
+    assert summary.written == len(good)
+    assert sum(summary.skipped.values()) == len(images) + len(orphans) - summary.written == 12
+    assert dict(summary.skipped) == skips and summary.ignored == ["notes.md"]
+    line = summary.line()
+    assert "; skipped 12 (bad image: 2, caption without an image: 2, image too small: 1, " in line
+    assert line.endswith("; ignored 1 file that is neither an image nor a caption (notes.md)")
+    report = json.loads((tmp_path / "out" / "shard-summary.json").read_text())
+    assert report["skipped"] == skips and report["ignored"] == ["notes.md"]
+
+    # a folder of orphan captions and unsupported images alone has no image to write: said as such
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "x.txt").write_text("orphan")
+    (tmp_path / "none" / "y.gif").write_bytes(b"GIF89a")
+    with pytest.raises(FileNotFoundError, match="no images"):
+        writers.write_folder(tmp_path / "none", tmp_path / "out2", progress=False)
 
 
 def test_folder_to_shards_and_back_through_both_loaders(src, tmp_path):
@@ -295,7 +328,7 @@ def test_cli(src, tmp_path):
                           "4", "--min-size", "5", "--no-progress"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert f"wrote 6 samples in 2 shards to {out}; skipped 8 (bad image: 2," in run.stdout
+    assert f"wrote 6 samples in 2 shards to {out}; skipped 12 (bad image: 2, caption without an image: 2," in run.stdout
     assert f"train with data.shards={out}" in run.stdout
 
 

@@ -21,8 +21,11 @@ Inputs.
 
 Bad inputs are skipped and counted per reason, never fatal: unreadable file, zero-byte image, bad image (every
 image is fully decoded once, so the readers will not meet it as undecodable or truncated), unsupported image
-format (not JPEG/PNG/WebP), image too small (`--min-size`), missing or empty caption, non-UTF-8 text, missing
-image (an empty image cell), unreadable row (a JSONL line that is not a JSON object). Images without
+format (not JPEG/PNG/WebP, by its bytes or, in a folder, a .gif/.heic/.tiff/... file), image too small
+(`--min-size`), missing or empty caption, non-UTF-8 text, caption without an image (a folder's `.txt` whose stem
+names no image), missing image (an empty image cell), unreadable row (a JSONL line that is not a JSON object).
+The summary line counts each reason, so written + skipped is every input; a folder's other files (notes, hidden
+files aside) are named as ignored. Images without
 a caption are skipped unless `--keep-uncaptioned`, which writes them with an empty caption (to caption them later;
 the training readers skip empty captions). Failures to write the output (disk full, permissions) are fatal.
 
@@ -36,13 +39,15 @@ record, in order over a process pool), `write` (the shards, the summary and the 
 """
 
 from .cli import main
-from .records import IMAGE_SUFFIXES, Record, folder_records, table_records
+from .records import IMAGE_SUFFIXES, FolderListing, Record, folder_listing, folder_records, table_records
 from .write import WriteSummary, write_folder, write_shards, write_table
 
 __all__ = [
     "IMAGE_SUFFIXES",
+    "FolderListing",
     "Record",
     "WriteSummary",
+    "folder_listing",
     "folder_records",
     "table_records",
     "write_shards",

@@ -28,13 +28,20 @@ __all__ = [
     "NOT_UTF8",
     "NO_IMAGE",
     "BAD_ROW",
+    "NO_IMAGE_FILE",
     "SkipSample",
     "Record",
+    "FolderListing",
+    "folder_listing",
     "folder_records",
     "table_records",
 ]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+# images in formats the readers do not decode: skipped as unsupported (their captions are not orphans)
+OTHER_IMAGE_SUFFIXES = (".gif", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jxl", ".jp2", ".ico", ".dng",
+                        ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2", ".psd", ".svg")
+CAPTION_SUFFIX, SIDECAR_SUFFIX = ".txt", ".json"
 TABLE_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet",
                  ".pq": "parquet"}
 _DATA_URI = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,", re.ASCII)
@@ -49,6 +56,7 @@ NO_CAPTION = "missing or empty caption"
 NOT_UTF8 = "non-UTF-8 text"
 NO_IMAGE = "missing image"
 BAD_ROW = "unreadable row"  # a JSONL line that is not a JSON object
+NO_IMAGE_FILE = "caption without an image"  # folder mode: a .txt whose stem names no image beside it
 
 _BAD_ROW_KEY = "\0bad row"  # marks such a line among the rows
 
@@ -75,25 +83,61 @@ class Record:
     skip: str | None = None  # already known to be bad: the reason
 
 
-def folder_records(src_dir: str | os.PathLike) -> list[Record]:
-    """Records of every image below `src_dir`, sorted by relative path (POSIX separators)."""
+@dataclass
+class FolderListing:
+    """What a folder holds for the writer: a record per image, per image in a format the readers do not decode and
+    per caption without an image (the last two already marked skipped), and the other files, which are no sample."""
+
+    records: list[Record]
+    ignored: list[str]  # relative paths of files that are neither images, captions nor sidecars (hidden ones aside)
+
+
+def folder_listing(src_dir: str | os.PathLike) -> FolderListing:
+    """Every image below `src_dir`, captioned by the `.txt` of its stem, sorted by relative path (POSIX separators);
+    an image in another format and a caption whose stem has no image become skipped records, so the summary counts
+    every input that is not written."""
     src_dir = os.path.abspath(os.path.expanduser(os.fspath(src_dir)))
     if not os.path.isdir(src_dir):
         raise FileNotFoundError(f"source folder {src_dir!r} not found: give a folder of images with .txt captions")
-    found = []
+    records, ignored = [], []
     for folder, dirs, files in os.walk(src_dir):
         dirs.sort()
-        for name in files:
-            if name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith("."):
-                found.append(os.path.relpath(os.path.join(folder, name), src_dir).replace(os.sep, "/"))
-    records = []
-    for rel in sorted(found):
-        path = os.path.join(src_dir, rel)
-        stem = os.path.splitext(path)[0]
-        sidecar = stem + ".json"
-        records.append(Record(source=rel, path=path, caption_path=stem + ".txt",
-                              extras_path=sidecar if os.path.isfile(sidecar) else None))
-    return records
+
+        def rel(name: str) -> str:
+            return os.path.relpath(os.path.join(folder, name), src_dir).replace(os.sep, "/")
+
+        images, other_images = {}, {}  # file name -> stem
+        captions, sidecars = {}, {}  # stem -> file name (`a.TXT` beside `a.txt`: the first one sorted)
+        for name in sorted(files):
+            if name.startswith("."):  # macOS resource forks, editors' swap files
+                continue
+            stem, suffix = os.path.splitext(name)
+            suffix = suffix.lower()
+            if suffix in IMAGE_SUFFIXES:
+                images[name] = stem
+            elif suffix in OTHER_IMAGE_SUFFIXES:
+                other_images[name] = stem
+            elif suffix == CAPTION_SUFFIX:
+                captions.setdefault(stem, name)
+            elif suffix == SIDECAR_SUFFIX:
+                sidecars.setdefault(stem, name)
+            else:
+                ignored.append(rel(name))
+        for name, stem in images.items():
+            records.append(Record(source=rel(name), path=os.path.join(folder, name),
+                                  caption_path=os.path.join(folder, captions.get(stem, stem + CAPTION_SUFFIX)),
+                                  extras_path=os.path.join(folder, sidecars[stem]) if stem in sidecars else None))
+        records += [Record(source=rel(name), skip=UNSUPPORTED) for name in other_images]
+        imaged = {*images.values(), *other_images.values()}
+        records += [Record(source=rel(name), skip=NO_IMAGE_FILE) for stem, name in captions.items()
+                    if stem not in imaged]
+    records.sort(key=lambda r: r.source)
+    return FolderListing(records, sorted(ignored))
+
+
+def folder_records(src_dir: str | os.PathLike) -> list[Record]:
+    """The records of `folder_listing(src_dir)`: images to write, and the inputs already known to be skipped."""
+    return folder_listing(src_dir).records
 
 
 def _table_format(path: str, fmt: str) -> str:

@@ -20,7 +20,7 @@ import webdataset as wds
 
 from ..files import atomic_write
 from .prepare import PrepareOptions, ordered_parallel, prepare_record
-from .records import IMAGE_SUFFIXES, Record, folder_records, table_records
+from .records import IMAGE_SUFFIXES, Record, folder_listing, table_records
 
 __all__ = ["SHARD_NAME", "WriteSummary", "write_shards", "write_folder", "write_table"]
 
@@ -36,12 +36,19 @@ class WriteSummary:
     written: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     index: str | None = None  # the JSON of the shard index (None: not built, or kept in memory)
+    ignored: list[str] = field(default_factory=list)  # files of a folder that are no input: not images nor captions
 
     def line(self) -> str:
+        """One line: what was written, every input not written by reason, and the files that were no input."""
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(self.skipped.items()))
+        ignored = ""
+        if self.ignored:
+            shown = ", ".join(self.ignored[:3]) + (", ..." if len(self.ignored) > 3 else "")
+            files = "1 file that is" if len(self.ignored) == 1 else f"{len(self.ignored)} files that are"
+            ignored = f"; ignored {files} neither an image nor a caption ({shown})"
         return (f"wrote {self.written} samples in {len(self.shards)} shards to {self.out_dir}; skipped {skipped}"
-                + (f" ({reasons})" if reasons else ""))
+                + (f" ({reasons})" if reasons else "") + ignored)
 
 
 class _ShardSink:
@@ -115,8 +122,10 @@ def write_shards(
     progress: bool = True,
     total: int | None = None,
     desc: str = "writing shards",
+    ignored: Iterable[str] = (),
 ) -> WriteSummary:
-    """Write `records` as img2dataset-layout shards into `out_dir` (see the module docstring); return the summary."""
+    """Write `records` as img2dataset-layout shards into `out_dir` (see the module docstring); return the summary.
+    `ignored`: files beside the inputs that are none (a folder's notes), named in the summary."""
     if samples_per_shard < 1 or workers < 1 or min_size < 0:
         raise ValueError(f"need samples_per_shard >= 1, workers >= 1, min_size >= 0 "
                          f"(got {samples_per_shard}, {workers}, {min_size})")
@@ -128,7 +137,7 @@ def write_shards(
     if existing and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(existing)} '{prefix}-*.tar' shards: pass --overwrite "
                               f"to replace them, or choose another --prefix or folder")
-    summary = WriteSummary(out_dir=out_dir)
+    summary = WriteSummary(out_dir=out_dir, ignored=list(ignored))
     options = PrepareOptions(min_size=min_size, keep_uncaptioned=keep_uncaptioned)
     jobs = ((record, options) for record in records)
     sink = _ShardSink(out_dir, prefix, samples_per_shard)
@@ -192,7 +201,7 @@ def write_shards(
         if stale not in summary.shards:
             os.remove(stale)
     report = {"written": summary.written, "skipped": dict(sorted(summary.skipped.items())),
-              "samples_per_shard": samples_per_shard,
+              "ignored": summary.ignored, "samples_per_shard": samples_per_shard,
               "shards": [os.path.basename(p) for p in summary.shards]}
     summary_path = os.path.join(out_dir, f"{prefix}-summary.json")
     atomic_write(summary_path, (json.dumps(report, indent=1) + "\n").encode("utf-8"))
@@ -205,11 +214,11 @@ def write_shards(
 
 def write_folder(src_dir: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any) -> WriteSummary:
     """Shards from a folder of images with sidecar .txt captions; keyword arguments as `write_shards`."""
-    records = folder_records(src_dir)
-    if not records:
+    listing = folder_listing(src_dir)
+    if not any(record.skip is None for record in listing.records):
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES)}) below {os.fspath(src_dir)!r}")
     kwargs.setdefault("desc", f"{os.path.basename(os.path.abspath(src_dir))} -> shards")
-    return write_shards(records, out_dir, total=len(records), **kwargs)
+    return write_shards(listing.records, out_dir, total=len(listing.records), ignored=listing.ignored, **kwargs)
 
 
 def write_table(
