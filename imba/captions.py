@@ -50,11 +50,21 @@ class NullCaption:
     @torch.no_grad()
     def encode(cls, tokenizer, text_encoder, max_length: int, device=None, dtype: torch.dtype | None = None,
                allow_empty_captions: bool = False) -> "NullCaption":
-        """Encode "" as PixArt's pipelines encode the negative prompt: `max_length` is the script's caption length
-        (its `--max_token_length`: 120 for PixArt-α, 300 for PixArt-Σ). `device`: the encoder's by default (pass it
-        for an encoder without parameters); `dtype`: the encoder's output's."""
-        tokens = tokenizer([""], padding="max_length", max_length=max_length, truncation=True,
-                           return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
+        """Encode "" as PixArt's and Sana's pipelines encode the negative prompt (right-padded): `max_length` is
+        the script's caption length (its `--max_token_length`: 120 for PixArt-α, 300 for PixArt-Σ; Sana's
+        `--max_sequence_length`). `device`: the encoder's by default (pass it for an encoder without parameters);
+        `dtype`: the encoder's output's."""
+        # right-padded, as the pipelines pad their negative prompt (Sana's sets it on Gemma's left-padding
+        # tokenizer), so that `cat` and `where` can cut or extend the padding at the end
+        side = getattr(tokenizer, "padding_side", "right")
+        try:
+            if side != "right":
+                tokenizer.padding_side = "right"
+            tokens = tokenizer([""], padding="max_length", max_length=max_length, truncation=True,
+                               return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
+        finally:
+            if side != "right":
+                tokenizer.padding_side = side
         if device is None:
             device = _device_of(text_encoder)
         mask = tokens.attention_mask.to(device)

@@ -28,21 +28,12 @@ assert not loaded, loaded
 print("ok")
 """
 
-# Run inside the light venv: nothing of the training stack can be imported, the installed metadata asks for torch
-# alone, and the loss trains (literal and efficient forms, null caption, stats) and refuses a no-grad unconditional
-# prediction as it does anywhere.
-LIGHT_RUN = f"""
-import importlib.util, sys
-from importlib import metadata
+# The loss trains (literal and efficient forms, null caption, stats) and refuses a no-grad unconditional prediction
+# as it does anywhere.
+LOSS_RUN = """
 import torch
 import imba
-from imba import IMBALoss, NullCaption
-
-assert importlib.util.find_spec("imba").origin.startswith(sys.prefix), importlib.util.find_spec("imba").origin
-importable = [m for m in {TRAINING_STACK!r} if importlib.util.find_spec(m) is not None]
-assert not importable, importable
-core = [r for r in metadata.requires("imba-dit") if "extra ==" not in r]
-assert [r.replace(" ", "") for r in core] == ["torch>=2.4"], core
+from imba import IMBALoss, LossStats, NullCaption, TrainingLoss
 
 torch.manual_seed(0)
 model = torch.nn.Conv2d(4 + 8, 4, 1)
@@ -71,8 +62,36 @@ except ValueError as err:
     assert "efficient_uncond" in str(err), err
 loss, stats = loss_fn(pred, loss_fn.efficient_uncond(pred, uncond, drop), target, drop=drop, timesteps=t)
 loss.backward()
-assert torch.isfinite(loss) and set(loss_fn.state_dict()) == {{"timestep_mean"}}
+assert torch.isfinite(loss) and set(loss_fn.state_dict()) == {"timestep_mean"}
 print("ok")
+"""
+
+# Run inside the light venv: nothing of the training stack can be imported, the installed metadata asks for torch
+# alone, and the loss runs.
+LIGHT_RUN = f"""
+import importlib.util, sys
+from importlib import metadata
+
+assert importlib.util.find_spec("imba").origin.startswith(sys.prefix), importlib.util.find_spec("imba").origin
+importable = [m for m in {TRAINING_STACK!r} if importlib.util.find_spec(m) is not None]
+assert not importable, importable
+core = [r for r in metadata.requires("imba-dit") if "extra ==" not in r]
+assert [r.replace(" ", "") for r in core] == ["torch>=2.4"], core
+""" + LOSS_RUN
+
+# Run in this environment with every module unimportable but the standard library, torch and what torch needs (as
+# a torch-only install has them), and imba.
+ONLY_TORCH = """
+import importlib.abc, sys
+
+class OnlyTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] not in ALLOWED:
+            raise ModuleNotFoundError(f"No module named {name!r} (only torch is installed)", name=name)
+        return None
+
+ALLOWED = set(sys.stdlib_module_names) | {"imba"} | set(sys.argv[1:])
+sys.meta_path.insert(0, OnlyTorch())
 """
 
 
@@ -86,6 +105,21 @@ def test_import_imba_loads_torch_alone(tmp_path):
     proc = subprocess.run([sys.executable, "-c", IMPORTS_ONLY_TORCH], cwd=tmp_path, env=_clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_import_imba_works_with_only_torch_importable(tmp_path):
+    """`import imba` and the loss work where torch (and what it needs) is all that is installed: every other module
+    of this environment is made unimportable, so an import of one anywhere in `imba`, even a guarded one that
+    changes what runs, shows here (the slow test below does the same through a real install)."""
+    allowed = sorted({entry.removesuffix(".py") for dist in torch_closure() for entry in _top_level(dist)
+                      if not entry.endswith((".dist-info", ".egg-info"))})
+    assert "torch" in allowed and not set(TRAINING_STACK) & set(allowed), allowed
+    proc = subprocess.run([sys.executable, "-c", ONLY_TORCH + LOSS_RUN, *allowed], cwd=tmp_path, env=_clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    blocked = subprocess.run([sys.executable, "-c", ONLY_TORCH + "import diffusers", *allowed], cwd=tmp_path,
+                             env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert "only torch is installed" in blocked.stderr  # the fence holds
 
 
 def _requirement_names(dist: metadata.Distribution) -> list[str]:
@@ -112,11 +146,9 @@ def _top_level(dist: metadata.Distribution) -> set[str]:
     return names
 
 
-def torch_only_folder(folder: Path) -> Path:
-    """A folder of links to the installed torch and the distributions it needs (and setuptools, the build backend
-    that `pip install --no-build-isolation` uses), and to nothing else of this environment."""
-    folder.mkdir()
-    todo, done = ["torch", "setuptools"], set()
+def torch_closure(*more: str) -> list[metadata.Distribution]:
+    """The installed torch, the distributions it needs on this interpreter (recursively) and `more`."""
+    todo, done, dists = ["torch", *more], set(), []
     while todo:
         name = todo.pop()
         try:
@@ -127,12 +159,21 @@ def torch_only_folder(folder: Path) -> Path:
         if key in done:
             continue
         done.add(key)
+        dists.append(dist)
         todo.extend(_requirement_names(dist))
+    assert not {"accelerate", "diffusers", "deepspeed", "transformers"} & done, done
+    return dists
+
+
+def torch_only_folder(folder: Path) -> Path:
+    """A folder of links to the installed torch and the distributions it needs (and setuptools, the build backend
+    that `pip install --no-build-isolation` uses), and to nothing else of this environment."""
+    folder.mkdir()
+    for dist in torch_closure("setuptools"):
         site = Path(dist.locate_file(""))
         for entry in _top_level(dist):
             if (site / entry).exists() and not (folder / entry).exists():
                 (folder / entry).symlink_to(site / entry)
-    assert not {"accelerate", "diffusers", "deepspeed", "transformers"} & done, done
     return folder
 
 
