@@ -5,11 +5,17 @@ EMA and checkpoints see one module as before, and the adapters' B matrices start
 exactly what the pretrained model does. `merged_state_dict` folds W + (alpha / rank) B A back into plain weights:
 the grids and the export are a stock transformer. `save_adapter` writes the adapters alone as a peft adapter folder
 (`adapter_config.json`, `adapter_model.safetensors`) that `peft.PeftModel.from_pretrained(transformer, folder)`
-loads onto the base model (diffusers' PixArt pipelines have no `load_lora_weights`).
+loads onto the base model (diffusers' PixArt pipelines have no `load_lora_weights`), plus `base_model.json`: where
+the base came from and a digest of its weights (`base_digest`). `load_adapter` is peft's loading behind a check of
+that digest: an adapter added to other base weights than it was trained on predicts something it never learned, and
+nothing in peft would say so.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -20,6 +26,10 @@ from safetensors.torch import save_file
 
 ADAPTER = "default"  # peft's adapter name
 PEFT_PREFIX = "base_model.model."  # how a PeftModel names the wrapped model's keys in adapter_model.safetensors
+BASE_FILE = "base_model.json"  # beside peft's files: the base's source and the digest of its weights
+DIGEST = "sha256"
+
+log = logging.getLogger(__name__)
 
 
 def lora_config(rank: int, alpha: float, targets: Sequence[str]) -> LoraConfig:
@@ -78,9 +88,34 @@ def merged_state_dict(model: torch.nn.Module, weights: Sequence[torch.Tensor] | 
     return {**named, **merged}
 
 
+def base_weights(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The base model's parameters under a stock transformer's names: an adapted layer's `base_layer` weights as its
+    own, the adapters left out; buffers (the sin-cos position table, rebuilt for each resolution) are no weights.
+    `weights`: see `_named`."""
+    return {name.replace(".base_layer.", "."): w for name, w in _named(model, weights).items()
+            if ".lora_A." not in name and ".lora_B." not in name}
+
+
+def base_digest(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> str:
+    """"sha256:<hex>" over the base weights (`base_weights`) in name order: each name, dtype, shape and bytes. The
+    same for a stock transformer and for the adapted model trained from it; any changed weight changes it."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(base_weights(model, weights).items()):
+        tensor = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return f"{DIGEST}:{digest.hexdigest()}"
+
+
+def _base_dtype(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> str:
+    return str(next(iter(base_weights(model, weights).values())).dtype).removeprefix("torch.")
+
+
 def save_adapter(model: torch.nn.Module, folder: Path, rank: int, alpha: float, targets: Sequence[str],
-                 weights: Sequence[torch.Tensor] | None = None, base: str = "") -> Path:
-    """The adapters of `model` as a peft adapter folder; `weights`: see `_named`; `base`: the model they adapt."""
+                 weights: Sequence[torch.Tensor] | None = None, base: str = "", base_subfolder: str = "") -> Path:
+    """The adapters of `model` as a peft adapter folder, with `BASE_FILE`; `weights`: see `_named` (the base's
+    digest is taken from them too); `base`: the model they adapt (a hub id or an absolute folder) and its
+    `base_subfolder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = lora_config(rank, alpha, targets)
@@ -89,4 +124,38 @@ def save_adapter(model: torch.nn.Module, folder: Path, rank: int, alpha: float, 
     state = get_peft_model_state_dict(model, state_dict=_named(model, weights), adapter_name=ADAPTER)
     save_file({PEFT_PREFIX + k: w.detach().float().contiguous().cpu() for k, w in state.items()},
               str(folder / "adapter_model.safetensors"))
+    record = {"base_model_name_or_path": base or None, "subfolder": base_subfolder or None,
+              "digest": base_digest(model, weights), "dtype": _base_dtype(model, weights)}
+    (folder / BASE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return folder
+
+
+def load_adapter(transformer: torch.nn.Module, folder: str | Path):
+    """`peft.PeftModel.from_pretrained(transformer, folder)` (what the pipeline's transformer becomes), refused
+    (`ValueError`, one line) where `transformer`'s weights are not the base the adapter was trained on
+    (`BASE_FILE`'s digest). An adapter folder without that record (written elsewhere) loads with a warning."""
+    from peft import PeftModel
+
+    folder = Path(folder)
+    if not (folder / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{folder} holds no adapter (adapter_config.json): give the lora/ folder of a LoRA "
+                                "run's export")
+    record_file = folder / BASE_FILE
+    if not record_file.is_file():
+        log.warning("%s has no %s: the base weights it was trained on cannot be checked", folder, BASE_FILE)
+    else:
+        record = json.loads(record_file.read_text())
+        source = record.get("base_model_name_or_path") or "an unrecorded source"
+        if record.get("subfolder"):
+            source += f", subfolder {record['subfolder']}"
+        theirs = _base_dtype(transformer)
+        if record.get("dtype") and theirs != record["dtype"]:
+            raise ValueError(f"the adapter in {folder} was trained on {record['dtype']} base weights (from {source}); "
+                             f"these are {theirs}: load the base in {record['dtype']} (torch_dtype), load the "
+                             "adapter, then cast the pipeline")
+        ours = base_digest(transformer)
+        if ours != record["digest"]:
+            short = record["digest"].partition(":")[2][:8]
+            raise ValueError(f"the adapter in {folder} was trained on base weights {short} (from {source}); these "
+                             f"are {ours.partition(':')[2][:8]}: load the base it was trained from")
+    return PeftModel.from_pretrained(transformer, str(folder))

@@ -9,7 +9,8 @@ import torch
 
 from imba.training.config import ConfigError, load_config
 from models.dit import build_transformer, predict
-from models.lora import add_lora, describe, has_lora, merged_state_dict, save_adapter
+from models.lora import (BASE_FILE, add_lora, base_digest, describe, has_lora, load_adapter, merged_state_dict,
+                         save_adapter)
 from test_train_e2e import run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def test_the_adapter_folder_loads_onto_the_base_model_with_peft(tmp_path):
     model = add_lora(tiny_dit(), rank=4, alpha=6, targets=TARGETS)
     perturb_adapters(model)
     folder = save_adapter(model, tmp_path / "export" / "lora", rank=4, alpha=6, targets=TARGETS, base="base-export")
-    assert {p.name for p in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", BASE_FILE}
     loaded = PeftModel.from_pretrained(tiny_dit(), folder)
     torch.testing.assert_close(out(loaded.get_base_model()), out(model), rtol=1e-5, atol=1e-5)
     config = loaded.peft_config["default"]
@@ -110,6 +111,57 @@ def test_the_adapter_folder_loads_onto_the_base_model_with_peft(tmp_path):
     stock.load_state_dict(merged_state_dict(model, doubled))
     torch.testing.assert_close(out(loaded.get_base_model()), out(stock), rtol=1e-5, atol=1e-5)
     assert loaded.peft_config["default"].base_model_name_or_path is None  # no base named
+
+
+def test_an_adapter_loads_onto_the_base_it_was_trained_on_and_is_refused_on_other_weights(tmp_path, caplog):
+    import json
+
+    model = add_lora(tiny_dit(), rank=4, alpha=6, targets=TARGETS)
+    perturb_adapters(model)
+    # the EMA's weights are the ones saved, and the base's digest is taken from them too
+    ema = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():  # the model's base is no longer the EMA's (`--export` rebuilt it from a rewritten folder)
+        model.transformer_blocks[0].attn1.to_q.base_layer.weight.add_(1.0)
+    folder = save_adapter(model, tmp_path / "lora", rank=4, alpha=6, targets=TARGETS, weights=ema,
+                          base="/abs/base-export", base_subfolder="transformer")
+    record = json.loads((folder / BASE_FILE).read_text())
+    assert record == {"base_model_name_or_path": "/abs/base-export", "subfolder": "transformer",
+                      "digest": base_digest(tiny_dit()), "dtype": "float32"}
+    assert record["digest"].startswith("sha256:") and len(record["digest"]) == 7 + 64
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "/abs/base-export"
+
+    # on the right base: the merged export's predictions
+    loaded = load_adapter(tiny_dit(), folder)
+    stock = type(model).from_config(model.config)
+    stock.load_state_dict(merged_state_dict(model, ema))
+    torch.testing.assert_close(out(loaded.get_base_model()), out(stock), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out(stock), out(tiny_dit()))
+
+    # on other weights, by one entry of one tensor: refused in one line naming both digests and the source
+    other = tiny_dit()
+    with torch.no_grad():
+        other.transformer_blocks[1].ff.net[2].bias[3] += 1e-3
+    short, theirs = record["digest"][7:15], base_digest(other)[7:15]
+    assert short != theirs
+    with pytest.raises(ValueError) as refused:
+        load_adapter(other, folder)
+    assert str(refused.value) == (f"the adapter in {folder} was trained on base weights {short} (from "
+                                  f"/abs/base-export, subfolder transformer); these are {theirs}: load the base it "
+                                  "was trained from")
+    # another preset's weights, and the right base in another dtype, are refused too
+    with pytest.raises(ValueError, match="these are"):
+        load_adapter(build_transformer("micro", 8, 8, in_channels=4), folder)
+    with pytest.raises(ValueError, match=r"trained on float32 base weights .* these are bfloat16: load the base in "
+                                         r"float32"):
+        load_adapter(tiny_dit().to(torch.bfloat16), folder)
+
+    # an adapter without the record (written by another tool) loads, with a warning that it cannot be checked
+    (folder / BASE_FILE).unlink()
+    with caplog.at_level("WARNING", logger="models.lora"):
+        load_adapter(other, folder)
+    assert "cannot be checked" in caplog.text
+    with pytest.raises(FileNotFoundError, match="holds no adapter"):
+        load_adapter(tiny_dit(), tmp_path)
 
 
 def test_weights_that_do_not_match_the_parameters_are_refused():
@@ -141,6 +193,8 @@ TINY_RUN = [
 
 @pytest.mark.slow
 def test_a_lora_fine_tune_resumes_exactly_exports_merged_weights_and_adapters_that_peft_loads(tmp_path):
+    import json
+
     from diffusers import PixArtAlphaPipeline, PixArtTransformer2DModel
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -170,7 +224,10 @@ def test_a_lora_fine_tune_resumes_exactly_exports_merged_weights_and_adapters_th
 
     # the adapters alone, on a stock pipeline of the base model, predict what the merged export does
     pipe = PixArtAlphaPipeline.from_pretrained(base / "export")
-    pipe.transformer = PeftModel.from_pretrained(pipe.transformer, whole / "export" / "lora").eval()
+    pipe.transformer = load_adapter(pipe.transformer, whole / "export" / "lora").eval()
+    assert isinstance(pipe.transformer, PeftModel)
+    config = json.loads((whole / "export" / "lora" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((base / "export").resolve())  # absolute, from any folder
     merged = PixArtTransformer2DModel.from_pretrained(whole / "export" / "transformer").eval()
     noisy, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([100, 900])
     embeds, mask = torch.randn(2, 16, merged.config.caption_channels), torch.ones(2, 16, dtype=torch.long)

@@ -56,14 +56,24 @@ def export_checkpoint(checkpoint: Path, export_dir: Path | None = None, checksum
     return export_dir
 
 
+def resolved_base(pretrained: str) -> str:
+    """model.pretrained as an adapter names its base: a local folder as an absolute path (a relative one means
+    nothing from another working directory), a hub id as it is."""
+    path = Path(pretrained).expanduser()
+    return str(path.resolve()) if path.exists() else pretrained
+
+
 def export_adapter(export_dir: Path, model, ema, cfg: Config) -> Path | None:
     """A LoRA run's adapters, with the EMA's weights, as a peft adapter folder `export_dir/lora` for the base model
-    (model.pretrained): `PeftModel.from_pretrained(base_transformer, folder)` loads it. None without LoRA."""
+    (model.pretrained, resolved), with the digest of the base weights the run trained on (the EMA's frozen ones:
+    the checkpoint's, whatever the base folder holds now): `models.lora.load_adapter(base_transformer, folder)`
+    loads it onto that base only. None without LoRA."""
     if not has_lora(model):
         return None
     m = cfg.model
     return save_adapter(model, Path(export_dir) / LORA_FOLDER, m.lora_rank, m.lora_alpha, m.lora_target_list(),
-                        weights=ema.shadow_params, base=m.pretrained or "")
+                        weights=ema.shadow_params, base=resolved_base(m.pretrained) if m.pretrained else "",
+                        base_subfolder=m.pretrained_subfolder)
 
 
 def export_run(run: RunFolder, cfg: Config, ema_model, pipeline_parts: dict, dit, ema, step: int,
