@@ -201,21 +201,26 @@ def test_the_check_reads_the_runs_caption_field_and_names_a_tokenizer_it_cannot_
 # ---- a fine-tune reads text as the model it starts from did -----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def byte_export(tmp_path_factory):
-    """A pipeline folder as train.py exports it, trained with the byte-level `tiny` tokenizer."""
+def export_with(folder, text_encoder: str):
+    """A pipeline folder as train.py exports it, trained with `text_encoder`'s tokenizer."""
+    from data.synthetic import CAPTION_WORDS
     from models.dit import build_transformer
     from models.pipeline import build_pipeline, export_pipeline
     from models.text_encoder import load_text_encoder
     from models.vae import load_vae
     from imba.objectives import build_objective
 
-    folder = tmp_path_factory.mktemp("export")
-    tokenizer, t5 = load_text_encoder("tiny")
+    tokenizer, t5 = load_text_encoder(text_encoder, words=CAPTION_WORDS)
     transformer = build_transformer("micro", sample_size=4, caption_channels=64)
     export_pipeline(build_pipeline(transformer, load_vae("tiny"), t5, tokenizer,
                                    build_objective("flow").sampling_scheduler()), folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def byte_export(tmp_path_factory):
+    """A pipeline folder as train.py exports it, trained with the byte-level `tiny` tokenizer."""
+    return export_with(tmp_path_factory.mktemp("export"), "tiny")
 
 
 def test_a_fine_tune_names_its_start_and_checks_the_tokenizer(byte_export):
@@ -227,9 +232,37 @@ def test_a_fine_tune_names_its_start_and_checks_the_tokenizer(byte_export):
                                          "model.text_encoder=tiny's")
     # the same width (64) under the word-level tokenizer: every id would mean another token
     cfg = load_config([f"model.pretrained={byte_export}", "model.text_encoder=tiny-words"])
-    with pytest.raises(ConfigError, match=rf"^model.pretrained={byte_export} was trained with another tokenizer than "
-                                          r"model.text_encoder=tiny-words \(\d+ tokens, not 22\): the DiT would read "):
+    with pytest.raises(ConfigError, match=rf"^model.pretrained={byte_export} was trained with model.text_encoder=tiny, "
+                                          r"not model.text_encoder=tiny-words \(\d+ tokens, not 22\): the DiT would "
+                                          r"read text it never learned; set model.text_encoder=tiny$"):
         fine_tune_source(cfg)
+
+
+def test_a_fine_tune_refused_for_its_tokenizer_names_the_encoder_its_base_was_trained_with(tmp_path):
+    from imba.training.build import fine_tune_source
+
+    # the quick start's export (tiny-words) under a run on your own captions (tiny): named, with the way out
+    words = export_with(tmp_path / "words", "tiny-words")
+    cfg = load_config([f"model.pretrained={words}", "model.text_encoder=tiny"])
+    with pytest.raises(ConfigError) as refused:
+        fine_tune_source(cfg)
+    assert str(refused.value).startswith(f"model.pretrained={words} was trained with model.text_encoder=tiny-words, "
+                                         "not model.text_encoder=tiny (22 tokens, not ")
+    assert str(refused.value).endswith("set model.text_encoder=tiny-words (tiny-words reads only the synthetic "
+                                       "shapes' words: to fine-tune on your own captions, start from a base trained "
+                                       "with model.text_encoder=tiny, docs/checkpoints.md#lora-fine-tuning)")
+    # a tokenizer of neither tiny encoder: the pipeline's own encoder and tokenizer folders are what to set
+    from transformers import PreTrainedTokenizerFast
+
+    from models.text_encoder import word_tokenizer
+
+    other = export_with(tmp_path / "other", "tiny-words")
+    word_tokenizer(["one", "two"]).save_pretrained(other / "tokenizer")
+    assert isinstance(PreTrainedTokenizerFast.from_pretrained(other / "tokenizer"), PreTrainedTokenizerFast)
+    with pytest.raises(ConfigError, match=rf"was trained with model.text_encoder={other} "
+                                          r"model.text_encoder_subfolder=text_encoder "
+                                          r"model.tokenizer_subfolder=tokenizer, not model.text_encoder=tiny-words"):
+        fine_tune_source(load_config([f"model.pretrained={other}", "model.text_encoder=tiny-words"]))
 
 
 def test_a_transformer_alone_is_named_and_not_checked():

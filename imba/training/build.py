@@ -17,6 +17,7 @@ from models.dit import build_transformer, load_pretrained_transformer
 from models.encoders import DTYPES, FrozenEncoders
 from models.lora import add_lora
 from models.pipeline import pipeline_kind_of, unsamplable_reason
+from models.settings import TINY, TINY_WORDS
 from models.text_encoder import load_text_encoder, load_tokenizer
 from models.vae import load_vae
 
@@ -106,6 +107,17 @@ def build_dit(cfg: Config, features) -> torch.nn.Module:
     return dit
 
 
+def _encoder_with_tokenizer(tokenizer, pipeline: str) -> str:
+    """The model.text_encoder settings that give `tokenizer` (a pipeline's own, from its folder or hub id): one of the
+    code's tiny encoders when it is theirs, else the pipeline's own text_encoder/ and tokenizer/ folders."""
+    vocab = tokenizer.get_vocab()
+    for name in (TINY_WORDS, TINY):
+        if load_tokenizer(name, words=CAPTION_WORDS).get_vocab() == vocab:
+            return f"model.text_encoder={name}"
+    return (f"model.text_encoder={pipeline} model.text_encoder_subfolder=text_encoder "
+            "model.tokenizer_subfolder=tokenizer")
+
+
 def fine_tune_source(cfg: Config) -> str:
     """What a fine-tune (model.pretrained) starts from, as one line for the log. Refused (`ConfigError`): a pipeline
     whose own tokenizer (its tokenizer/ folder) splits text otherwise than the run's, since the DiT would then read
@@ -124,9 +136,14 @@ def fine_tune_source(cfg: Config) -> str:
     except OSError as err:
         raise ConfigError(str(err)) from err
     if theirs.get_vocab() != ours.get_vocab():
-        raise ConfigError(f"model.pretrained={m.pretrained} was trained with another tokenizer than "
+        trained_with = _encoder_with_tokenizer(theirs, str(path))
+        hint = ""
+        if trained_with == f"model.text_encoder={TINY_WORDS}":
+            hint = (f" ({TINY_WORDS} reads only the synthetic shapes' words: to fine-tune on your own captions, start "
+                    f"from a base trained with model.text_encoder={TINY}, docs/checkpoints.md#lora-fine-tuning)")
+        raise ConfigError(f"model.pretrained={m.pretrained} was trained with {trained_with}, not "
                           f"model.text_encoder={m.text_encoder} ({len(theirs)} tokens, not {len(ours)}): the DiT would "
-                          "read text it never learned; set model.text_encoder to the one it was trained with")
+                          f"read text it never learned; set {trained_with}{hint}")
     return (f"fine-tuning from {m.pretrained}: its transformer's weights; its tokenizer is "
             f"model.text_encoder={m.text_encoder}'s")
 
