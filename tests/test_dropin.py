@@ -6,8 +6,8 @@ min-SNR, caption dropout), a real tiny `PixArtTransformer2DModel` (learned sigma
 ones; resolution and aspect-ratio conditions), a random tiny T5 encoder with `ByT5Tokenizer`, a tiny
 `AutoencoderKL`, `DDPMScheduler`, min-SNR weights from `diffusers.training_utils.compute_snr`,
 `Accelerator(mixed_precision="bf16")` on the CPU, and its `save_state` / `load_state` checkpoints. The lines marked
-`# IMBA` are the README's drop-in ("IMBA in your own training loop"); the lines marked `# probe` are this test's
-instruments. It runs in one process here and in two (gloo, spawned) in the slow tier, with both estimators, and
+`# IMBA` are docs/loss.md's PixArt drop-in with min-SNR weights (`tests/test_loss_scripts.py` runs the page's lines
+as they are written); the lines marked `# probe` are this test's instruments. It runs in one process here and in two (gloo, spawned) in the slow tier, with both estimators, and
 checks what a user of the drop-in relies on:
 
 - the losses are finite and the stats log as they are (scalars only, per-sample tensors apart), with the
@@ -136,25 +136,26 @@ def stock_loop(estimator: str, out: Path, steps: int = STEPS, resume_from: Path 
                 loss = F.mse_loss(model_pred.float(), target.float(), reduction="none")
                 loss = (loss.mean(dim=list(range(1, len(loss.shape)))) * mse_loss_weights).mean()
             elif estimator == "literal":
-                prompt_embeds, prompt_attention_mask = null.cat(prompt_embeds, prompt_attention_mask)  # IMBA
-                added_cond_kwargs = null.repeat_rows(added_cond_kwargs)  # IMBA
+                embeds, mask = null.cat(prompt_embeds, prompt_attention_mask)  # IMBA
+                cond_kwargs = null.repeat_rows(added_cond_kwargs)  # IMBA
                 model_pred = transformer(noisy_latents.repeat(2, 1, 1, 1), timestep=timesteps.repeat(2),  # IMBA
-                                         encoder_hidden_states=prompt_embeds,
-                                         encoder_attention_mask=prompt_attention_mask,
-                                         added_cond_kwargs=added_cond_kwargs).sample
+                                         encoder_hidden_states=embeds, encoder_attention_mask=mask,
+                                         added_cond_kwargs=cond_kwargs).sample
                 model_pred = model_pred.chunk(2, dim=1)[0]  # learned sigma
                 loss, stats = loss_fn(*model_pred.chunk(2), target, timesteps=timesteps,  # IMBA
                                       sample_weights=mse_loss_weights)
             else:
                 drop = loss_fn.draw_drop_mask(bsz, device=latents.device)  # IMBA
-                prompt_embeds, prompt_attention_mask = null.where(drop, prompt_embeds, prompt_attention_mask)  # IMBA
-                model_pred = transformer(noisy_latents, timestep=timesteps, encoder_hidden_states=prompt_embeds,
-                                         encoder_attention_mask=prompt_attention_mask,
-                                         added_cond_kwargs=added_cond_kwargs).sample
+                embeds, mask = null.where(drop, prompt_embeds, prompt_attention_mask)  # IMBA
+                model_pred = transformer(noisy_latents, timestep=timesteps, encoder_hidden_states=embeds,  # IMBA
+                                         encoder_attention_mask=mask, added_cond_kwargs=added_cond_kwargs).sample
                 model_pred = model_pred.chunk(2, dim=1)[0]  # learned sigma
-                with torch.no_grad(): uncond = transformer(noisy_latents, timestep=timesteps, **null.kwargs(bsz), added_cond_kwargs=added_cond_kwargs).sample.chunk(2, dim=1)[0]  # IMBA  # noqa: E501, E701
-                loss, stats = loss_fn(model_pred, loss_fn.efficient_uncond(model_pred, uncond, drop), target,  # IMBA
-                                      drop=drop, timesteps=timesteps, sample_weights=mse_loss_weights)
+                with torch.no_grad():  # IMBA
+                    uncond = transformer(noisy_latents, timestep=timesteps, **null.kwargs(bsz),  # IMBA
+                                         added_cond_kwargs=added_cond_kwargs).sample.chunk(2, dim=1)[0]
+                pred_uncond = loss_fn.efficient_uncond(model_pred, uncond, drop)  # IMBA
+                loss, stats = loss_fn(model_pred, pred_uncond, target, drop=drop, timesteps=timesteps,  # IMBA
+                                      sample_weights=mse_loss_weights)
                 dropped = bool(drop.any())
             accelerator.backward(loss)
             optimizer.step()

@@ -264,3 +264,46 @@ def test_the_null_caption_is_sanas_negative_prompt():
                                                                complex_human_instruction=["Describe:"])
     assert torch.equal(null.mask, negative_mask) and torch.equal(null.embeds, negative)
     assert null.embeds.dtype == torch.bfloat16 and null.mask[0, 0] == 1
+
+
+@pytest.mark.parametrize("form", ["literal", "efficient"])
+def test_a_transformer_without_a_mask_takes_the_null_caption_as_the_page_says(form):
+    """SD3's transformer (no attention mask, pooled projections): the null caption from the script's own encoding
+    of "" with an all-ones mask, "" 's pooled projection on the null rows; both forms train, and the script's own
+    empty captions are still refused."""
+    from diffusers import SD3Transformer2DModel
+
+    from imba import IMBALoss, NullCaption
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1,
+                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                        caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+                                        pos_embed_max_size=16)
+    null_embeds, null_pooled = torch.randn(1, 10, 32), torch.randn(1, 16)  # the script's encoding of ""
+    null = NullCaption(null_embeds, torch.ones(null_embeds.shape[:2], dtype=torch.long))
+    prompt_embeds, pooled_prompt_embeds = torch.randn(B, 10, 32), torch.randn(B, 16)
+    ones = torch.ones(B, 10, dtype=torch.long)
+    x, target, timesteps = torch.randn(B, 4, 8, 8), torch.randn(B, 4, 8, 8), torch.tensor([1000.0, 3.0])
+    loss_fn = IMBALoss.for_transformer(transformer, normalize="timestep_mean")
+    if form == "literal":
+        embeds, _ = null.cat(prompt_embeds, ones)
+        pooled = torch.cat([pooled_prompt_embeds, null_pooled.expand(B, -1)])
+        pred = transformer(hidden_states=x.repeat(2, 1, 1, 1), encoder_hidden_states=embeds,
+                           pooled_projections=pooled, timestep=timesteps.repeat(2), return_dict=False)[0]
+        loss, _ = loss_fn(*pred.chunk(2), target, timesteps=timesteps)
+    else:
+        drop = torch.tensor([True, False])
+        embeds, _ = null.where(drop, prompt_embeds, ones)
+        pooled = torch.where(drop[:, None], null_pooled, pooled_prompt_embeds)
+        pred = transformer(hidden_states=x, encoder_hidden_states=embeds, pooled_projections=pooled,
+                           timestep=timesteps, return_dict=False)[0]
+        with torch.no_grad():
+            uncond = transformer(hidden_states=x, encoder_hidden_states=null.expand(B)[0],
+                                 pooled_projections=null_pooled.expand(B, -1), timestep=timesteps,
+                                 return_dict=False)[0]
+        loss, _ = loss_fn(pred, loss_fn.efficient_uncond(pred, uncond, drop), target, drop=drop, timesteps=timesteps)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in transformer.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match=r"caption rows \[1\] already are the null caption"):
+        null.cat(torch.cat([prompt_embeds[:1], null_embeds]), ones)
