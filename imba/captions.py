@@ -154,15 +154,16 @@ class NullCaption:
         if self.allow_empty_captions:
             return
         null_embeds, null_mask = self._fit((embeds, mask))
-        # The same tokens give the same states up to the rounding of another batch size or a half-precision encoder.
-        tolerance = 0.05 * null_embeds.abs().amax() + 1e-6
         same_mask = (mask == null_mask).all(dim=1)
         # Rows with the null caption's mask: only the tokens it attends to, which the transformer reads (an encoder
         # that masks its padding gives it states that may depend on the padded length).
         attended = self._attended[self._attended < embeds.shape[1]].to(embeds.device)
         if not attended.numel():
             attended = torch.arange(embeds.shape[1], device=embeds.device)
-        close = _farthest(embeds.index_select(1, attended), null_embeds.index_select(1, attended)) <= tolerance
+        null_attended = null_embeds.index_select(1, attended)
+        # The same tokens give the same states up to the rounding of another batch size or a half-precision encoder.
+        tolerance = 0.05 * null_attended.abs().amax() + 1e-6
+        close = _farthest(embeds.index_select(1, attended), null_attended) <= tolerance
         # Rows whose mask is all ones (a script that does not pad-mask): the mask tells nothing, so every position
         # both hold is compared, the null caption's padding included; its attended tokens alone would not do (a
         # causal encoder gives every caption the states of its first tokens).
@@ -173,7 +174,9 @@ class NullCaption:
         if bool(rows.any()):
             raise ValueError(f"NullCaption: caption rows {rows.nonzero().flatten().tolist()} already are the null "
                              "caption (or zeros): IMBA's 1 − lam replaces the script's caption dropout, so set that "
-                             "to 0 (e.g. --proportion_empty_prompts 0); a data set with empty captions on purpose: "
+                             "to 0 (e.g. --proportion_empty_prompts 0); captions encoded once before the loop: "
+                             "keep cat's or where's output under new names (embeds, mask = null.where(...)), not "
+                             "prompt_embeds; a data set with empty captions on purpose: "
                              "NullCaption.encode(..., allow_empty_captions=True)")
 
 

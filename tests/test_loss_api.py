@@ -456,6 +456,22 @@ def test_captions_that_already_hold_the_null_caption_are_refused(text):
     assert torch.equal(both[:2], embeds) and torch.equal(both[2:], allowing.expand(2, like=(embeds, tokens.attention_mask))[0])
 
 
+def test_a_step_that_writes_the_null_caption_back_into_captions_encoded_once_is_told_to_use_new_names(text):
+    """A script that encodes its prompt once, outside the loop, and assigns `where`'s output back to its
+    `prompt_embeds`: the next step finds null rows in them, and the refusal names that mistake too."""
+    tokenizer, encoder = text
+    null = NullCaption.encode(tokenizer, encoder, max_length=8)
+    tokens = tokenizer(["a cat", "a dog"], padding="max_length", max_length=8, return_tensors="pt")
+    with torch.no_grad():
+        prompt_embeds, prompt_attention_mask = encoder(tokens.input_ids, attention_mask=tokens.attention_mask)[0], \
+            tokens.attention_mask
+    prompt_embeds, prompt_attention_mask = null.where(torch.tensor([False, True]), prompt_embeds,
+                                                      prompt_attention_mask)
+    with pytest.raises(ValueError, match=r"caption rows \[1\] .*captions encoded once before the loop: keep cat's "
+                                         r"or where's output under new names \(embeds, mask = null.where"):
+        null.where(torch.tensor([False, False]), prompt_embeds, prompt_attention_mask)
+
+
 def test_min_snr_weights_each_sample_by_min_snr_gamma_over_snr_on_top_of_its_weights():
     from imba.objectives import DDPMEpsilon, NoisedBatch
     from imba.training_loss import TrainingLoss, min_snr_weights
