@@ -122,6 +122,16 @@ def test_import_imba_works_with_only_torch_importable(tmp_path):
     assert "only torch is installed" in blocked.stderr  # the fence holds
 
 
+def test_the_docs_say_how_to_install_the_cpu_build_of_torch_first():
+    """`pip install .` alone gets pip's default torch, the CUDA build with its NVIDIA wheels (gigabytes) on Linux:
+    docs/loss.md installs the CPU build from PyTorch's index before it."""
+    from test_docs import shell_snippets
+
+    commands = [snippet.text for snippet in shell_snippets(REPO / "docs" / "loss.md")]
+    cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in commands and "pip install ." in commands[commands.index(cpu):], commands
+
+
 def _requirement_names(dist: metadata.Distribution) -> list[str]:
     """The distributions `dist` needs on this interpreter (markers evaluated, extras left out)."""
     try:
