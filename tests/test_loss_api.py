@@ -282,7 +282,8 @@ def test_the_efficient_forms_unconditional_prediction_needs_its_drop_mask():
     uncond, target = tensors(4, 4, 4, 4, n=2, seed=1)
     loss_fn = IMBALoss()
     for drop in (torch.tensor([True, False, True, False]), torch.zeros(4, dtype=torch.bool)):
-        for merged in (loss_fn.efficient_uncond(pred, uncond, drop), loss_fn.efficient_uncond(pred, uncond[~drop], drop)):
+        for rows in (uncond, uncond[~drop]):  # the no-grad pass on every row, or on the kept ones
+            merged = loss_fn.efficient_uncond(pred, rows, drop)
             with pytest.raises(ValueError, match=r"efficient_uncond, the efficient form, but the call has no drop=: "
                                                  r"pass drop=drop") as err:
                 loss_fn(pred, merged, target)
@@ -354,7 +355,8 @@ def test_null_caption_fills_rows_at_the_captions_length_dtype_and_device(text):
     # the null caption alone (the efficient form's no-grad pass) follows the captions cat and where last saw: the
     # transformer gets the dtype the script gives it, not the encoder's
     follows = null.kwargs(2)
-    assert follows["encoder_attention_mask"].shape == (2, 10) and follows["encoder_hidden_states"].dtype == torch.bfloat16
+    assert follows["encoder_attention_mask"].shape == (2, 10)
+    assert follows["encoder_hidden_states"].dtype == torch.bfloat16
     assert torch.equal(follows["encoder_hidden_states"][1], both[3])
     fresh = NullCaption.encode(tokenizer, encoder, max_length=6).kwargs(2)  # before any captions: the encoder's
     assert fresh["encoder_attention_mask"].shape == (2, 6) and fresh["encoder_hidden_states"].dtype == torch.float32
