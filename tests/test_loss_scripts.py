@@ -13,7 +13,9 @@ Each loop runs the page's set-up snippet after its text encoder is loaded and, w
 before the loop (DreamBooth's one-prompt mode), deletes the encoder right after, as that script does; then the
 page's step snippet (the `+` side of its diff) at every step, in one namespace that lives across steps, as a
 script's variables do. "script" runs the `-` side, the script as it ships, so the snippets' context lines are
-checked to be a script's. The losses must be finite and every trained parameter must move.
+checked to be a script's. The losses must be finite and every trained parameter must move. SD3's transformer
+(no attention mask, pooled projections, preconditioned outputs) is run as the page's prose says, and README's
+drop-in must be the page's PixArt snippets.
 """
 
 from __future__ import annotations
@@ -268,9 +270,10 @@ def test_the_null_caption_is_sanas_negative_prompt():
 
 @pytest.mark.parametrize("form", ["literal", "efficient"])
 def test_a_transformer_without_a_mask_takes_the_null_caption_as_the_page_says(form):
-    """SD3's transformer (no attention mask, pooled projections): the null caption from the script's own encoding
-    of "" with an all-ones mask, "" 's pooled projection on the null rows; both forms train, and the script's own
-    empty captions are still refused."""
+    """SD3's transformer (no attention mask, pooled projections, outputs preconditioned as its script's default):
+    the null caption from the script's own encoding of "" with an all-ones mask, "" 's pooled projection on the
+    null rows, every prediction preconditioned; both forms train, and the script's own empty captions are still
+    refused."""
     from diffusers import SD3Transformer2DModel
 
     from imba import IMBALoss, NullCaption
@@ -284,13 +287,17 @@ def test_a_transformer_without_a_mask_takes_the_null_caption_as_the_page_says(fo
     null = NullCaption(null_embeds, torch.ones(null_embeds.shape[:2], dtype=torch.long))
     prompt_embeds, pooled_prompt_embeds = torch.randn(B, 10, 32), torch.randn(B, 16)
     ones = torch.ones(B, 10, dtype=torch.long)
-    x, target, timesteps = torch.randn(B, 4, 8, 8), torch.randn(B, 4, 8, 8), torch.tensor([1000.0, 3.0])
+    model_input, noise, timesteps = torch.randn(B, 4, 8, 8), torch.randn(B, 4, 8, 8), torch.tensor([1000.0, 3.0])
+    sigmas = (timesteps / 1000).view(B, 1, 1, 1)
+    x = (1.0 - sigmas) * model_input + sigmas * noise
+    target = model_input  # --precondition_outputs 1
     loss_fn = IMBALoss.for_transformer(transformer, normalize="timestep_mean")
     if form == "literal":
         embeds, _ = null.cat(prompt_embeds, ones)
         pooled = torch.cat([pooled_prompt_embeds, null_pooled.expand(B, -1)])
         pred = transformer(hidden_states=x.repeat(2, 1, 1, 1), encoder_hidden_states=embeds,
                            pooled_projections=pooled, timestep=timesteps.repeat(2), return_dict=False)[0]
+        pred = pred * (-sigmas.repeat(2, 1, 1, 1)) + x.repeat(2, 1, 1, 1)
         loss, _ = loss_fn(*pred.chunk(2), target, timesteps=timesteps)
     else:
         drop = torch.tensor([True, False])
@@ -298,10 +305,11 @@ def test_a_transformer_without_a_mask_takes_the_null_caption_as_the_page_says(fo
         pooled = torch.where(drop[:, None], null_pooled, pooled_prompt_embeds)
         pred = transformer(hidden_states=x, encoder_hidden_states=embeds, pooled_projections=pooled,
                            timestep=timesteps, return_dict=False)[0]
+        pred = pred * (-sigmas) + x
         with torch.no_grad():
             uncond = transformer(hidden_states=x, encoder_hidden_states=null.expand(B)[0],
                                  pooled_projections=null_pooled.expand(B, -1), timestep=timesteps,
-                                 return_dict=False)[0]
+                                 return_dict=False)[0] * (-sigmas) + x
         loss, _ = loss_fn(pred, loss_fn.efficient_uncond(pred, uncond, drop), target, drop=drop, timesteps=timesteps)
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in transformer.parameters() if p.requires_grad)
