@@ -96,19 +96,39 @@ def base_weights(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None 
             if ".lora_A." not in name and ".lora_B." not in name}
 
 
-def base_digest(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> str:
+def base_digest(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None,
+                rounded_to: torch.dtype | None = None, dtype: torch.dtype | None = None) -> str:
     """"sha256:<hex>" over the base weights (`base_weights`) in name order: each name, dtype, shape and bytes. The
-    same for a stock transformer and for the adapted model trained from it; any changed weight changes it."""
+    same for a stock transformer and for the adapted model trained from it; any changed weight changes it. Each
+    tensor is first rounded to `rounded_to`, then cast to `dtype`, where given."""
     digest = hashlib.sha256()
     for name, tensor in sorted(base_weights(model, weights).items()):
-        tensor = tensor.detach().contiguous().cpu()
+        tensor = tensor.detach().cpu()
+        if rounded_to is not None:
+            tensor = tensor.to(rounded_to)
+        tensor = tensor.to(dtype or tensor.dtype).contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
     return f"{DIGEST}:{digest.hexdigest()}"
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _base_dtype(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> str:
-    return str(next(iter(base_weights(model, weights).values())).dtype).removeprefix("torch.")
+    return _dtype_name(next(iter(base_weights(model, weights).values())).dtype)
+
+
+def _held_in(model: torch.nn.Module, weights: Sequence[torch.Tensor] | None = None) -> str | None:
+    """The half-precision dtype every base weight is exact in, or None. DeepSpeed's bf16 and fp16 hold the whole
+    module, the frozen base too, in half precision: such a run trained on the base rounded, and a float32 base
+    loaded to take its adapter is compared rounded the same way."""
+    tensors = list(base_weights(model, weights).values())
+    for half in (torch.bfloat16, torch.float16):
+        if all(t.dtype == half or torch.equal(t, t.to(half).to(t.dtype)) for t in tensors):
+            return _dtype_name(half)
+    return None
 
 
 def save_adapter(model: torch.nn.Module, folder: Path, rank: int, alpha: float, targets: Sequence[str],
@@ -125,7 +145,8 @@ def save_adapter(model: torch.nn.Module, folder: Path, rank: int, alpha: float, 
     save_file({PEFT_PREFIX + k: w.detach().float().contiguous().cpu() for k, w in state.items()},
               str(folder / "adapter_model.safetensors"))
     record = {"base_model_name_or_path": base or None, "subfolder": base_subfolder or None,
-              "digest": base_digest(model, weights), "dtype": _base_dtype(model, weights)}
+              "digest": base_digest(model, weights), "dtype": _base_dtype(model, weights),
+              "held_in": _held_in(model, weights)}
     (folder / BASE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return folder
 
@@ -148,12 +169,15 @@ def load_adapter(transformer: torch.nn.Module, folder: str | Path):
         source = record.get("base_model_name_or_path") or "an unrecorded source"
         if record.get("subfolder"):
             source += f", subfolder {record['subfolder']}"
-        theirs = _base_dtype(transformer)
-        if record.get("dtype") and theirs != record["dtype"]:
+        theirs, ours = _base_dtype(transformer), base_digest(transformer)
+        held_in = record.get("held_in")
+        if ours != record["digest"] and held_in:  # trained on the base rounded to half precision: compare it so
+            rounded = base_digest(transformer, rounded_to=getattr(torch, held_in), dtype=getattr(torch, record["dtype"]))
+            ours = rounded  # the same form as the record's, in a refusal too
+        if ours != record["digest"] and theirs != record["dtype"] and theirs != held_in:
             raise ValueError(f"the adapter in {folder} was trained on {record['dtype']} base weights (from {source}); "
                              f"these are {theirs}: load the base in {record['dtype']} (torch_dtype), load the "
                              "adapter, then cast the pipeline")
-        ours = base_digest(transformer)
         if ours != record["digest"]:
             short = record["digest"].partition(":")[2][:8]
             raise ValueError(f"the adapter in {folder} was trained on base weights {short} (from {source}); these "

@@ -126,7 +126,7 @@ def test_an_adapter_loads_onto_the_base_it_was_trained_on_and_is_refused_on_othe
                           base="/abs/base-export", base_subfolder="transformer")
     record = json.loads((folder / BASE_FILE).read_text())
     assert record == {"base_model_name_or_path": "/abs/base-export", "subfolder": "transformer",
-                      "digest": base_digest(tiny_dit()), "dtype": "float32"}
+                      "digest": base_digest(tiny_dit()), "dtype": "float32", "held_in": None}
     assert record["digest"].startswith("sha256:") and len(record["digest"]) == 7 + 64
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "/abs/base-export"
 
@@ -162,6 +162,28 @@ def test_an_adapter_loads_onto_the_base_it_was_trained_on_and_is_refused_on_othe
     assert "cannot be checked" in caplog.text
     with pytest.raises(FileNotFoundError, match="holds no adapter"):
         load_adapter(tiny_dit(), tmp_path)
+
+
+def test_an_adapter_trained_on_a_base_held_in_bf16_loads_onto_that_base_in_float32_or_bf16(tmp_path):
+    # DeepSpeed's bf16 holds the frozen base in bf16: the EMA's float32 copy of it is the base rounded
+    model = add_lora(tiny_dit(), rank=4, alpha=6, targets=TARGETS)
+    perturb_adapters(model)
+    ema = [p.detach().to(torch.bfloat16).float() if "lora_" not in n else p.detach().clone()
+           for n, p in model.named_parameters()]
+    folder = save_adapter(model, tmp_path / "lora", rank=4, alpha=6, targets=TARGETS, weights=ema, base="/abs/base")
+    import json
+
+    record = json.loads((folder / BASE_FILE).read_text())
+    assert (record["dtype"], record["held_in"]) == ("float32", "bfloat16")
+    assert record["digest"] != base_digest(tiny_dit())  # the rounded base is not the float32 one ...
+    load_adapter(tiny_dit(), folder)  # ... which loads it: rounded as the run held it, it is the same
+    load_adapter(tiny_dit().to(torch.bfloat16), folder)
+    other = tiny_dit()
+    with torch.no_grad():
+        other.transformer_blocks[1].ff.net[2].bias[3] += 0.5  # far above bf16's rounding
+    with pytest.raises(ValueError, match=r"^the adapter in .* was trained on base weights [0-9a-f]{8} \(from "
+                                         r"/abs/base\); these are [0-9a-f]{8}: load the base it was trained from$"):
+        load_adapter(other, folder)
 
 
 def test_weights_that_do_not_match_the_parameters_are_refused():
