@@ -67,7 +67,9 @@ def model_card(cfg: Config, step: int, processes: int | None = None, has_grid: b
     if m.lora_rank:
         started += (f" with LoRA (rank {m.lora_rank}, alpha {m.lora_alpha or m.lora_rank:g}, on "
                     f"{', '.join(m.lora_target_list())}), merged into these weights; the adapters alone are in "
-                    "`lora/` (`peft.PeftModel.from_pretrained(base_transformer, 'lora')`)")
+                    "`lora/` (`peft.PeftModel.from_pretrained(base_transformer, 'lora')`; `lora/base_model.json` "
+                    "holds the SHA-256 of the base weights they were trained on, which this project's "
+                    "`models.lora.load_adapter` checks)")
     rows = [
         ("model", f"PixArt-style DiT, {started}"),
         ("data", _data_line(cfg)),
