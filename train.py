@@ -13,6 +13,7 @@ The parts are built in `imba/training/`; this file is the order in which they me
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,9 @@ if __name__ == "__main__":  # --help and a config that does not load are answere
             load_config(sys.argv[1:])  # loaded again by main(): a few milliseconds
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
+    # idle OpenMP threads sleep instead of spinning, which takes the cores of any other busy process on the machine
+    # (bench/step_time_results.md); read once, when torch loads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402 (from here on: what a run needs beyond its config)
 from accelerate.utils import set_seed
@@ -38,8 +42,8 @@ from imba.training.build import (apply_optim_settings, build_dit, build_optimize
                                  fine_tune_source, load_features)
 from imba.training.checkpoints import TrainState, newest_intact, register_state, save_checkpoint
 from imba.training.clock import LoopClock
-from imba.training.distributed import (check_zero3_settings, compile_prepared, configure_deepspeed, make_accelerator,
-                                      parameter_digest, run_predict)
+from imba.training.distributed import (check_zero3_settings, compile_prepared, configure_deepspeed, describe_world,
+                                      make_accelerator, parameter_digest, run_predict, set_cpu_threads)
 from imba.training.ema import make_ema
 from imba.training.export import export_checkpoint, export_run
 from imba.training.guard import DIVERGED_EXIT_CODE, DivergenceGuard, diverged_message
@@ -55,6 +59,7 @@ from imba.training.setting_changes import check_resumed_settings
 from imba.training.step import TrainStep
 from imba.training.step_batches import StepBatches
 from imba.training.text_check import check_captions_readable
+from imba.training.vae_check import check_vae
 from imba.training.validation import Validator, validation_shards
 from models.dit import apply_speed_settings
 from models.lora import describe
@@ -67,8 +72,8 @@ def main(argv: list[str]) -> int:
     out = run.root
     accelerator = make_accelerator(cfg, out)
     device, is_main = accelerator.device, accelerator.is_main_process
-    accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
-                      f"device {device}, output {out}")
+    accelerator.print(f"world size {accelerator.num_processes} ({describe_world(accelerator)}), device {device}"
+                      f"{set_cpu_threads(accelerator)}, output {out}")
     if zero3 := configure_deepspeed(accelerator, cfg.data.batch_size):
         check_zero3_settings(cfg)  # LoRA and compile: refused in one line
     set_seed(cfg.train.seed)  # identical initial weights on every rank
@@ -161,6 +166,7 @@ def main(argv: list[str]) -> int:
                            cfg.optim.grad_clip)
 
     batches.fetch()
+    check_vae(accelerator, cfg.model, features, batches.pending)  # one that cannot represent the images is said
     # before the first step: only unreadable data stops the run here (a signal is heeded after a step)
     if preemption.should_stop(accelerator, cannot_read=batches.failure is not None, heed_signal=False):
         return finish(preemption.requeue(accelerator, batches.failure, state.step, saved=False))

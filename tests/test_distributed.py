@@ -123,8 +123,9 @@ def copy_checkpoint(run: Path, step: int, dest: Path) -> Path:
 @pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3"])
 def test_two_processes_train_identically_and_resume_exactly(tmp_path, kind, full_runs):
     full, uninterrupted = full_runs(kind)
-    expected_type = "MULTI_CPU" if kind == "ddp" else "DEEPSPEED"
-    assert f"world size 2 ({expected_type})" in uninterrupted
+    expected_type = "MULTI_CPU" if kind == "ddp" else f"DEEPSPEED, ZeRO-{kind[-1]}"
+    # the mode, the ZeRO stage and the threads each process took: 2 cores or more shared by 2 processes
+    assert re.search(rf"world size 2 \({expected_type}\), device cpu, \d+ CPU threads per process", uninterrupted)
     full_digests = digests(uninterrupted)  # ZeRO-3: gathered from both ranks' partitions
     assert set(full_digests) == {0, 1} and full_digests[0] == full_digests[1]  # ranks agree bitwise
     # the mean over ranks of the dropped share (2 rows per rank) reaches 0.75 only when one rank dropped both rows
@@ -248,7 +249,7 @@ def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path, full_runs):
 
     # 2 → 1 process: converted once to <checkpoint>/universal/, loaded with DeepSpeed's load_universal
     shrunk = launch("zero2", [f"train.output_dir={out}", "train.max_steps=6"], tmp_path, num_processes=1)
-    assert "world size 1 (DEEPSPEED)" in shrunk
+    assert "world size 1 (DEEPSPEED, ZeRO-2)" in shrunk
     assert f"resuming a 2-process ZeRO-2 checkpoint on 1 processes through {step3 / 'universal'}" in shrunk
     assert f"resumed from {step3} at step 3, parameters {saved_digest}" in shrunk  # the saved weights, bitwise
     assert "done: step 6" in shrunk and (step3 / "universal" / "pytorch_model" / "zero").is_dir()
@@ -278,7 +279,7 @@ def test_zero2_checkpoint_resumes_on_another_process_count(tmp_path, full_runs):
 
     # 1 → 2 processes: the 1-process ZeRO-2 checkpoint re-partitioned over two ranks
     grown = launch("zero2", [f"train.output_dir={out}", "train.max_steps=8"], tmp_path)
-    assert "world size 2 (DEEPSPEED)" in grown
+    assert "world size 2 (DEEPSPEED, ZeRO-2)" in grown
     assert f"resumed from {step6} at step 6, parameters {digests(shrunk)[0]}" in grown
     grown_digests = digests(grown)
     assert set(grown_digests) == {0, 1} and grown_digests[0] == grown_digests[1]

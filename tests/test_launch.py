@@ -549,3 +549,27 @@ def test_a_sigusr1_during_start_up_is_repeated_until_the_training_handles_it(fak
     # a repeat may also land while the worker finishes its step (the handler only sets a flag): SIGUSR1s only
     assert set((fakes / "worker.0").read_text().split(",")) == {"USR1"}, result.stderr
     assert result.returncode == 0 and requeues(fakes) == [f"requeue {JOB_ID}"]
+
+
+def test_processes_on_one_machine_share_its_threads_rather_than_each_taking_all(monkeypatch):
+    import torch
+    from accelerate import Accelerator
+
+    from imba.training.distributed import describe_world, set_cpu_threads, threads_per_process
+
+    assert [threads_per_process(a, p) for a, p in [(2, 1), (2, 2), (8, 2), (8, 3), (1, 4)]] == [2, 1, 4, 2, 1]
+    accelerator = Accelerator(cpu=True)
+    assert describe_world(accelerator) == "NO"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # this process as one of two on the machine
+        assert set_cpu_threads(accelerator) == (", 2 CPU threads per process (4 available, 2 processes here; "
+                                                "OMP_NUM_THREADS=N chooses)") and torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice is kept, and said
+        torch.set_num_threads(3)
+        assert set_cpu_threads(accelerator) == ", 3 CPU threads per process (OMP_NUM_THREADS)"
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -65,6 +65,33 @@ def make_accelerator(cfg: Config, out: Path) -> Accelerator:
     return accelerator
 
 
+def describe_world(accelerator: Accelerator) -> str:
+    """How the run is spread, for its first line: `DEEPSPEED, ZeRO-2`, `MULTI_GPU`, `NO`, ..."""
+    mode = accelerator.distributed_type.value
+    plugin = accelerator.state.deepspeed_plugin
+    return f"{mode}, ZeRO-{plugin.zero_stage}" if plugin is not None else mode
+
+
+def threads_per_process(available: int, local_processes: int) -> int:
+    """Intra-op threads for each of `local_processes` processes on one machine sharing `available` threads: torch
+    gives each process all of them, which oversubscribes the cores as soon as two processes train side by side."""
+    return max(1, available // max(1, local_processes))
+
+
+def set_cpu_threads(accelerator: Accelerator) -> str:
+    """On the CPU, each process's intra-op threads (`threads_per_process` of torch's own count, unless
+    OMP_NUM_THREADS chose them) and how they were chosen, for the run's first line; "" on a GPU."""
+    if accelerator.device.type != "cpu":
+        return ""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f", {torch.get_num_threads()} CPU threads per process (OMP_NUM_THREADS)"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    available = torch.get_num_threads()
+    torch.set_num_threads(threads_per_process(available, local))
+    return (f", {torch.get_num_threads()} CPU threads per process ({available} available, {local} process"
+            f"{'es' if local > 1 else ''} here; OMP_NUM_THREADS=N chooses)")
+
+
 def configure_deepspeed(accelerator: Accelerator, batch_size: int) -> bool:
     """Adapt accelerate's DeepSpeed config to this loop, before any model is loaded; True under ZeRO-3."""
     plugin = accelerator.state.deepspeed_plugin
