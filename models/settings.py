@@ -43,6 +43,7 @@ PRESETS: dict[str, DiTPreset] = {
 
 AUTO = "auto"
 TINY, TINY_WORDS = "tiny", "tiny-words"  # the code's own random text encoders (models.text_encoder)
+SHAPES_VAE, TINY_VAE = "shapes", "tiny"  # the code's own VAEs (models.vae)
 DEFAULT_TEXT_TOKENS = {TINY_WORDS: 16, TINY: 64}  # model.max_text_tokens=0 for them
 T5_TEXT_TOKENS = 120  # model.max_text_tokens=0 for any other text encoder: PixArt-α's
 

@@ -9,14 +9,15 @@ with the code (`models/shapes_vae/`), the CPU default run's VAE, whose decoder s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL
 
-TINY = "tiny"
+from models.settings import SHAPES_VAE as SHAPES, TINY_VAE as TINY
+
 TINY_SEED = 4321
-SHAPES = "shapes"
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes_vae"  # a diffusers folder: config.json + safetensors
 SD_SCALING_FACTOR = 0.18215
 
@@ -56,3 +57,12 @@ def encode_images(vae: AutoencoderKL, pixels: torch.Tensor, generator: torch.Gen
     """Pixels (B, 3, H, W) in [-1, 1] → latents (B, 4, H/8, W/8) sampled from the posterior, times scaling."""
     posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
     return posterior.sample(generator=generator).float() * vae.config.scaling_factor
+
+
+@torch.no_grad()
+def reconstruction_error(vae: AutoencoderKL, pixels: torch.Tensor) -> dict[str, float]:
+    """Mean absolute error and PSNR of decode(encode(x)) (posterior mean) on pixels in [-1, 1], measured in [0, 1]."""
+    recon = vae.decode(vae.encode(pixels.to(vae.dtype)).latent_dist.mean).sample.float().clamp(-1, 1)
+    diff = (recon - pixels.float()) / 2
+    mse = diff.pow(2).mean().item()
+    return {"mae": diff.abs().mean().item(), "psnr": 10 * math.log10(1.0 / max(mse, 1e-12))}

@@ -4,7 +4,7 @@ import torch
 
 from data.synthetic import make_sample
 from imba.training import shapes_vae
-from models.vae import SHAPES, load_vae, vae_scale_factor
+from models.vae import SHAPES, load_vae, reconstruction_error, vae_scale_factor
 
 # The shipped weights measured 0.039 MAE and 24.1 dB PSNR (pixels in [0, 1]) on the first 32 held-out scenes at
 # 128 px (0.042 and 23.9 dB on 64: python -m imba.training.shapes_vae --check); most of the error is the background's
@@ -18,7 +18,7 @@ def test_the_shipped_vae_has_sd_vae_latents_and_reconstructs_held_out_scenes():
     vae = load_vae(SHAPES)
     assert vae_scale_factor(vae) == 8 and vae.config.latent_channels == 4 and not vae.training
     pixels = shapes_vae.render(range(32), shapes_vae.CHECK_SEED, 128)  # the default run's own data: held out
-    err = shapes_vae.reconstruction_error(vae, pixels)
+    err = reconstruction_error(vae, pixels)
     assert err["mae"] < MAX_MAE_128 and err["psnr"] > MIN_PSNR_128, err
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.mean * vae.config.scaling_factor

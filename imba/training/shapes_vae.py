@@ -24,7 +24,7 @@ from diffusers import AutoencoderKL
 
 from data.images import image_to_tensor
 from data.synthetic import COLOURS, SHAPES, make_sample, render_objects
-from models.vae import SHAPES_DIR as WEIGHTS_DIR
+from models.vae import SHAPES_DIR as WEIGHTS_DIR, reconstruction_error
 
 TRAIN_SEED = 20261201  # seeds the training renders (uniform concepts), drawn apart from the data set's samples
 CHECK_SEED = 0  # held-out renders: the default run's own data
@@ -109,14 +109,6 @@ def train(steps: int = 1800, batch_size: int = 8, pool: int = 3000, lr: float = 
 
 
 @torch.no_grad()
-def reconstruction_error(vae: AutoencoderKL, pixels: torch.Tensor) -> dict[str, float]:
-    """Mean absolute error and PSNR of decode(encode(x)) (posterior mean) on pixels in [-1, 1], measured in [0, 1]."""
-    recon = vae.decode(vae.encode(pixels.to(vae.dtype)).latent_dist.mean).sample.float().clamp(-1, 1)
-    diff = (recon - pixels.float()) / 2
-    mse = diff.pow(2).mean().item()
-    return {"mae": diff.abs().mean().item(), "psnr": 10 * math.log10(1.0 / max(mse, 1e-12))}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="only measure the shipped weights")
