@@ -49,6 +49,14 @@ def test_saved_config_round_trips(tmp_path):
     (["objective.kind=edm"], "must be one of flow, ddpm"),
     (["loss=3"], "'loss' must be one of plain, imba, imba_sample (its kind), got '3'"),
     (["optim=3"], "is a section"),
+    # every named choice says the name closest to a misspelling
+    (["loss=imab"], "'loss' must be one of plain, imba, imba_sample (its kind), got 'imab'; did you mean imba?"),
+    (["model.preset=tinny"], "must be one of micro, tiny, small, base, 1b, got 'tinny'; did you mean tiny?"),
+    (["train.trackers=tensorboard,wandbb"], "got 'wandbb'; did you mean wandb?"),
+    (["model.text_encoder=tiny-word"], "model.text_encoder=tiny-word is not a folder here, and not one of the code's "
+                                       "own auto, tiny, tiny-words; did you mean tiny-words? (or a hub id"),
+    (["model.vae=shape"], "model.vae=shape is not a folder here, and not one of the code's own shapes, tiny; did you "
+                          "mean shapes?"),
     (["max_steps"], "overrides look like section.key=value"),
     (["--config", "nope.yaml"], "config file 'nope.yaml' not found"),
 ])
@@ -57,6 +65,11 @@ def test_mistakes_give_one_clear_line(args, message):
         load_config(args)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["google/t5-v1_1-xxl", "t5-small", "tiny", "tiny-words"])
+def test_a_hub_id_or_a_name_of_the_codes_own_text_encoders_is_taken_as_given(value):
+    assert load_config([f"model.text_encoder={value}"]).model.text_encoder == value
 
 
 def test_train_py_prints_one_line_and_exits_nonzero_on_a_bad_key():

@@ -39,7 +39,7 @@ from data.settings import DataConfig
 from imba.loss_settings import LOSS_SETTINGS, LossConfig, PlainLoss
 from imba.objective_settings import OBJECTIVE_SETTINGS, FlowObjective, ObjectiveConfig
 from imba.training.migrate import migrate_config
-from models.settings import ModelConfig, SpeedConfig
+from models.settings import AUTO, SHAPES_VAE, TINY, TINY_VAE, TINY_WORDS, ModelConfig, SpeedConfig
 
 
 class ConfigError(ValueError):
@@ -137,7 +137,13 @@ class TrainConfig:
         unknown = [name for name in tracker_names(self.trackers) if name not in known]
         if unknown:
             raise ValueError(f"config key 'train.trackers' takes none or comma-separated names of accelerate's "
-                             f"trackers ({', '.join(known)}), got {unknown[0]!r}")
+                             f"trackers ({', '.join(known)}), got {unknown[0]!r}{did_you_mean(unknown[0], known)}")
+
+
+def did_you_mean(value: Any, names, prefix: str = "") -> str:
+    """"; did you mean X?" for the name of `names` closest to a misspelt `value`, else "" (no name is close)."""
+    close = difflib.get_close_matches(str(value), [str(n) for n in names], n=1, cutoff=0.75)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
 
 
 def tracker_names(trackers: str) -> list[str]:
@@ -268,7 +274,8 @@ def _apply(cfg, updates: dict, prefix: str = "") -> None:
         value = _coerce(key, value, hints[name])
         choices = getattr(cfg, "CHOICES", {}).get(name)
         if choices is not None and value not in choices:
-            raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}"
+                              f"{did_you_mean(value, choices)}")
         setattr(cfg, name, value)
 
 
@@ -279,7 +286,8 @@ def _kind_setting(key: str, current, value, registry: dict[str, type]):
     kind = updates.pop("kind", current.KIND)
     kind = kind.text if isinstance(kind, _Spelled) else kind
     if not isinstance(kind, str) or kind not in registry:
-        raise ConfigError(f"config key {key!r} must be one of {', '.join(registry)} (its kind), got {kind!r}")
+        raise ConfigError(f"config key {key!r} must be one of {', '.join(registry)} (its kind), got {kind!r}"
+                          f"{did_you_mean(kind, registry)}")
     chosen = current if type(current) is registry[kind] else registry[kind]()
     _apply(chosen, updates, prefix=f"{key}.")
     return chosen
@@ -483,6 +491,13 @@ def _validate(cfg: Config) -> None:
                 check()
             except ValueError as err:
                 raise ConfigError(str(err)) from err
+    for key, value, names in (("model.text_encoder", cfg.model.text_encoder, (AUTO, TINY, TINY_WORDS)),
+                              ("model.vae", cfg.model.vae, (SHAPES_VAE, TINY_VAE))):
+        # a hub id or a folder is any other value: only one close to the code's own names and not a folder here is
+        # refused, at once, rather than after minutes of start-up as a hub id that cannot be found
+        if value not in names and (hint := did_you_mean(value, names)) and not Path(value).exists():
+            raise ConfigError(f"{key}={value} is not a folder here, and not one of the code's own {', '.join(names)}"
+                              f"{hint} (or a hub id such as org/name)")
     # across sections
     if cfg.loss.min_snr_gamma and not cfg.objective.predicts_epsilon:
         raise ConfigError(f"loss.min_snr_gamma weights ε-prediction (objective.kind=ddpm), not "
