@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 from PIL import Image
+from tqdm.auto import tqdm
 
 from .files import atomic_write, read_json_object, write_json
 from .images import IMAGE_EXTENSIONS
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 INDEX_VERSION = 2  # 2: image width and height per sample (aspect-ratio buckets); 1: byte spans only
 INDEX_KIND = "imba-dit indexed tar shards"
 REMOTE_SCANS = 8  # remote shards downloaded and scanned at once while an index is built
+PROGRESS_FROM = 4  # shards to scan from which the index build shows a progress bar
 _COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 
 
@@ -406,8 +408,18 @@ def load_or_build_index(
         except OSError as exn:
             return exn
 
+    local_todo = [p for p in paths if not is_indexable_remote(p) and isinstance(stats[p], dict)
+                  and not _unchanged(cached.get(p), stats[p])]
+    # minutes for a large set or a remote one (each shard downloaded once): never silent
+    bar = tqdm(total=len(remote_todo) + len(local_todo), unit=" shard", dynamic_ncols=True,
+               disable=len(remote_todo) + len(local_todo) < PROGRESS_FROM,
+               desc=f"indexing {len(paths)} shards" + (f", downloading {len(remote_todo)} into {cache.folder}"
+                                                       if remote_todo else ""))
     with ThreadPoolExecutor(REMOTE_SCANS) as pool:
-        remote_scans = dict(zip(remote_todo, pool.map(scan_remote, remote_todo)))
+        remote_scans = {}
+        for path, scanned in zip(remote_todo, pool.map(scan_remote, remote_todo)):
+            remote_scans[path] = scanned
+            bar.update()
     shardlist: list[dict[str, Any]] = []
     parts: list[np.ndarray] = []
     rescanned: list[str] = []
@@ -424,6 +436,8 @@ def load_or_build_index(
             else:
                 rescanned.append(path)
                 scanned = remote_scans[path] if path in remote_scans else _scan_tar(path)
+                if path not in remote_scans:
+                    bar.update()
                 if isinstance(scanned, OSError):
                     raise scanned
                 spans, note = scanned[:2]
@@ -443,6 +457,7 @@ def load_or_build_index(
             item["error"] = note
         shardlist.append(item)
         parts.append(spans)
+    bar.close()
 
     dead = [s for s in stats.values() if isinstance(s, StoreUnreachable)]
     if dead and not any(s["nsamples"] for s in shardlist):

@@ -256,8 +256,10 @@ def precompute_shards(
     rank: int = 0,
     world_size: int = 1,
     num_workers: int = 0,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Precompute this process's share (input shards rank, rank + world_size, ...) into `out_dir`.
+    """Precompute this process's share (input shards rank, rank + world_size, ...) into `out_dir`; `progress`: a
+    progress bar of the images encoded (give it to one process of a run).
 
     Returns a report: {"rank", "world_size", "written": [names], "skipped": [names already complete],
     "samples": written samples, "bad": {reason: n}, "shards_bad": {reason: n}, "manifest": path or None}. The
@@ -295,12 +297,16 @@ def precompute_shards(
     if todo:
         for _, name in todo:
             remove_leftovers(out_dir, name)
-        _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, report)
+        _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, report, progress)
     report["manifest"] = write_manifest(out_dir, urls, settings)
     return report
 
 
-def _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, report) -> None:
+def _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, report, progress) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=f"precompute -> {out_dir}", unit=" img", disable=not progress, dynamic_ncols=True,
+               postfix=f"shard 1/{len(todo)}")
     loader = torch.utils.data.DataLoader(
         _ShardBatches([u for u, _ in todo], settings, batch_size),
         batch_size=None,
@@ -319,6 +325,7 @@ def _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, re
             out = outputs[job]
             if kind == "batch":
                 _write_batch(out, encoders, payload, url)
+                bar.update(len(payload))
                 continue
             nbytes = out.commit()
             del outputs[job]
@@ -333,7 +340,9 @@ def _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, re
             damaged = f"; shard: {', '.join(payload['shards_bad'])}" if payload["shards_bad"] else ""
             log.info("[rank %d] %s: %d samples written, skipped %d (%s)%s", report["rank"], name, out.samples,
                      sum(shard_bad.values()), skipped, damaged)
+            bar.set_postfix_str(f"shard {min(len(report['written']) + 1, len(todo))}/{len(todo)}")
     finally:
+        bar.close()
         for out in outputs.values():  # an error mid-shard: nothing half-written stays behind
             out.abort()
     report["bad"] = dict(sorted(bad.items()))
@@ -402,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = precompute_shards(
             args.shards, args.out_dir, settings, batch_size=args.batch_size, device=device,
             rank=state.process_index, world_size=state.num_processes, num_workers=args.num_workers,
+            progress=state.is_main_process,
         )
     finally:
         state.destroy_process_group()  # no collective is ever used: processes finish independently

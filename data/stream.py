@@ -25,7 +25,7 @@ from .sources import Source, SourceMix
 from .weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
 
 __all__ = ["Reader", "Processes", "DataStream", "all_shards", "draw_plan", "caption_workers", "make_stream",
-           "reader_fingerprint"]
+           "reader_size", "reader_fingerprint"]
 
 PLAN_POLL_S = 1.0  # how often the other ranks look for the plan the main process is computing
 
@@ -139,6 +139,12 @@ def make_stream(d: DataConfig, processes: Processes, sources: Sequence[Source], 
                           main_process_first=processes.main_process_first, sampler=sampler, cache=d.cache(),
                           shard_window=d.shard_window)
     return DataStream(loader, consumed, epoch)
+
+
+def reader_size(loader) -> int | None:
+    """How many samples the `Reader` behind `loader` indexes; None for a loader without one (the streaming reader)."""
+    reader = getattr(loader, "dataset", None)
+    return len(reader) if isinstance(reader, Reader) else None
 
 
 def reader_fingerprint(loader) -> str | None:

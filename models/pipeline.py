@@ -72,15 +72,28 @@ def build_pipeline(transformer, vae, text_encoder, tokenizer, scheduler, pipelin
     return pipe
 
 
+@contextlib.contextmanager
+def diffusers_errors_only():
+    """diffusers' warnings silenced inside, where the caller says what matters in its own words."""
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
+
+
 def encode_prompts(text_encoder, tokenizer, prompts: list[str], max_text_tokens: int, pipeline: str = "alpha",
                    device="cpu") -> dict[str, torch.Tensor]:
     """The text embeddings of `prompts` and of the empty negative prompt (one per prompt) as the stock pipeline
     computes them for classifier-free guidance, on `device`: the keywords (`prompt_embeds`,
     `prompt_attention_mask`, `negative_prompt_embeds`, `negative_prompt_attention_mask`) that `sample_images` and
-    the pipeline take instead of text, so the text encoder need not be there when the images are drawn."""
+    the pipeline take instead of text, so the text encoder need not be there when the images are drawn. Prompts
+    longer than `max_text_tokens` are cut there without diffusers' warning (it prints the cut text, a wall of
+    padding tokens for a byte tokenizer): the caller counts them (`models.text_encoder.read_captions`)."""
     pipe = PIPELINES[pipeline](tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None,
                                scheduler=None)
-    with torch.no_grad():
+    with torch.no_grad(), diffusers_errors_only():
         embeds, mask, negative, negative_mask = pipe.encode_prompt(
             prompts, do_classifier_free_guidance=True, negative_prompt="", device=text_encoder.device,
             clean_caption=False, max_sequence_length=max_text_tokens)
@@ -175,13 +188,9 @@ def export_pipeline(pipe: DiffusionPipeline, folder: Path) -> Path:
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    verbosity = diffusers.utils.logging.get_verbosity()
     # diffusers warns on every cast to a dtype about modules "that should be kept in float32": all of them are here
-    diffusers.utils.logging.set_verbosity_error()
-    try:
+    with diffusers_errors_only():
         pipe.to("cpu", torch.float32)
-    finally:
-        diffusers.utils.logging.set_verbosity(verbosity)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 

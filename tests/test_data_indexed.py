@@ -9,6 +9,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import tarfile
 
@@ -131,6 +132,15 @@ def test_index_is_cached_and_rebuilt_when_a_shard_changes(tmp_path, monkeypatch)
     # default place: next to the shards
     near = load_or_build_index(str(shards))
     assert os.path.dirname(near.path) == str(shards)
+
+
+def test_an_index_build_with_shards_to_scan_shows_its_progress(tmp_path, capsys):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(str(shards), num_samples=40, samples_per_shard=8, resolution=RES, seed=1)
+    load_or_build_index(str(shards), index_dir=tmp_path / "a")
+    assert re.search(r"indexing 5 shards: .*5/5", capsys.readouterr().err)
+    load_or_build_index(str(shards), index_dir=tmp_path / "a")  # nothing to scan: nothing shown
+    assert "indexing" not in capsys.readouterr().err
 
 
 def test_truncated_shard_keeps_its_complete_samples(synth, tmp_path):

@@ -9,6 +9,7 @@ import io
 import itertools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -414,6 +415,8 @@ def test_command_line_and_reader_needs_no_encoders(inputs, reference, tmp_path, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0/1: wrote 5 shards (29 samples; skipped 2 bad" in proc.stdout
     assert f"complete: {GOOD} samples in 5 shards" in proc.stdout
+    # a progress bar of the images encoded, shard by shard: a long precompute is never silent
+    assert re.search(rf"precompute -> {re.escape(str(out))}: .*\b{GOOD} img.*shard 5/5", proc.stderr), proc.stderr
     assert_same_features(out, reference[0])
 
     try:  # again, in this process: nothing left to do

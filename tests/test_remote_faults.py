@@ -322,6 +322,8 @@ def test_the_caption_check_reads_remote_shards_through_the_cache(local, store, t
     proxy.set("error", path="synthetic-000000")  # a shard the store does not give: its captions skipped
     fresh = ShardCache(tmp_path / "fresh", budget=FAST)
     assert sample_captions([urls], "caption", per_source=3, cache=fresh) == want[6:9]
+    proxy.set("refuse")  # a dead store: the check reads nothing and leaves the verdict to the reader
+    assert sample_captions([urls], "caption", per_source=3, cache=ShardCache(tmp_path / "dead", budget=FAST)) == []
 
 
 @pytest.mark.parametrize("workers", [1, 2])

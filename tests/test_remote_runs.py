@@ -156,6 +156,9 @@ def test_a_store_that_dies_mid_run_ends_it_in_one_line_with_a_checkpoint_that_re
         assert later.returncode == 0, later.stderr[-3000:]
         said = later.stdout + later.stderr
         assert "using its last listing" in said and "of them read from their complete copies in" in said, said[-3000:]
+        # where the shards go and how many samples they hold, said at start-up
+        assert f"data: shards on object storage are downloaded once into {tmp_path / 'full-cache'} (no " in said
+        assert re.search(r"^data: \d+ samples in 3 shards$", said, re.M), said[-3000:]
         assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 10
     finally:
         proxy.close()

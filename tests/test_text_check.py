@@ -103,8 +103,11 @@ def test_many_captions_cut_short_warn_with_the_setting_to_raise():
     assert judge(reading(truncated=cut), "tiny", 64) == (None, [])
     refusal, warnings = judge(reading(truncated=cut + 1), "tiny", 64)
     assert refusal is None and warnings == [
-        "warning: 26 of 100 captions are longer than model.max_text_tokens=64 tokens (the longest 40): their ends "
-        "never reach the model; raise model.max_text_tokens"]
+        "warning: 26 of 100 captions are longer than model.max_text_tokens=64 tokens (tiny reads bytes: a token is a "
+        "character, about a fifth of a word) (the longest 40): their ends never reach the model; raise "
+        "model.max_text_tokens"]
+    _, [t5] = judge(reading(truncated=cut + 1), "google/t5-v1_1-xxl", 120)  # word pieces: nothing to add
+    assert t5.startswith("warning: 26 of 100 captions are longer than model.max_text_tokens=120 tokens (the longest")
     assert judge(reading(0.0, truncated=0, captions=0), "tiny", 64) == (None, [])
 
 
@@ -167,7 +170,8 @@ def test_the_automatic_encoder_reads_your_photos_and_a_short_sequence_warns(tmp_
     check_captions_readable(load_config([f"data.shards={tmp_path / 'photos'}", "model.max_text_tokens=16"]),
                             accelerator, sources)
     assert capsys.readouterr().out.strip() == (
-        "warning: 4 of 4 captions are longer than model.max_text_tokens=16 tokens (the longest 54): their ends never "
+        "warning: 4 of 4 captions are longer than model.max_text_tokens=16 tokens (tiny reads bytes: a token is a "
+        "character, about a fifth of a word) (the longest 54): their ends never "
         "reach the model; raise model.max_text_tokens")
     with pytest.raises(ConfigError, match=r"^model.text_encoder=tiny-words reads \d+ of the \d+ tokens of 4 captions"):
         check_captions_readable(load_config([f"data.shards={tmp_path / 'photos'}", "model.text_encoder=tiny-words"]),

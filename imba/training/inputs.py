@@ -20,10 +20,11 @@ from data.files import read_json_object, write_json
 from data.index import ShardIndex
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import MANIFEST_NAME, find_manifest
-from data.remote import set_default_budget
+from data.remote import is_indexable_remote, set_default_budget
 from data.skips import NoUsableSamples, too_small_advice
 from data.sources import Source, SourceMix, SourcePlace, check_same_kind, resolve_sources, safe_name
-from data.stream import PLAN_POLL_S, caption_workers, draw_plan as stream_plan, make_stream, reader_fingerprint
+from data.stream import (PLAN_POLL_S, all_shards, caption_workers, draw_plan as stream_plan, make_stream,
+                         reader_fingerprint, reader_size)
 from data.urls import expand_urls, is_remote
 from imba.training.balancing import OnlineBalancer, loader_lag
 from imba.training.config import Config, ConfigError
@@ -54,6 +55,11 @@ def training_sources(cfg: Config, accelerator: Accelerator, out: Path) -> list[S
     for source in sources:
         accelerator.print(f"data: {source.name}: {source.kind.describe()}{source.kind.weight()}, "
                           f"{len(source.urls)} shards")
+    if d.mode != "streaming" and any(is_indexable_remote(url) for url in all_shards(sources)):
+        cache = d.cache()
+        accelerator.print(f"data: shards on object storage are downloaded once into {cache.folder} ("
+                          + (f"data.cache_limit={d.cache_limit}: the least recently used are deleted beyond it)"
+                             if cache.limit else "no data.cache_limit: kept)"))
     return sources
 
 
@@ -97,7 +103,8 @@ def precompute_once(cfg: Config, accelerator: Accelerator, out: Path, shards: li
         accelerator.print(f"data.precompute: encoding {len(shards)} shards once with the frozen VAE and T5 -> {folder}")
     try:
         precompute_shards(shards, folder, settings, batch_size=32, device=accelerator.device,
-                          rank=accelerator.process_index, world_size=accelerator.num_processes)
+                          rank=accelerator.process_index, world_size=accelerator.num_processes,
+                          progress=accelerator.is_main_process)
     except (OSError, ValueError, NoUsableSamples) as err:
         # encoders that cannot load, a resolution the VAE cannot encode, shards with nothing usable in them
         raise ConfigError(f"data.precompute: {str(err).splitlines()[0]}") from err
@@ -177,6 +184,8 @@ def make_loader(cfg: Config, accelerator: Accelerator, sources: list[Source], po
                              order=balancer.order if balancer is not None else None, log=accelerator.print)
     except ValueError as err:  # settings the data cannot serve (e.g. buckets of precomputed latents)
         raise ConfigError(str(err)) from err
+    if (samples := reader_size(stream.loader)) is not None:
+        accelerator.print(f"data: {samples:,} samples in {len(all_shards(sources))} shards")
     if position.step and stream.epoch is not None:
         accelerator.print(f"data: the stream continues after {position.describe()}, epoch {stream.epoch:.2f}")
     elif position.step:

@@ -16,9 +16,10 @@ from imba.training.build import load_encoders, load_text_encoder_alone, load_vae
 from imba.training.config import SYNTHETIC_PROMPTS, Config
 from imba.training.ema import ema_weights_copy
 from imba.training.run_folder import RunFolder
-from imba.training.text_check import sample_captions
+from imba.training.text_check import BYTE_TOKENS, sample_captions
 from models.encoders import FrozenEncoders
 from models.pipeline import encode_prompts, save_grid
+from models.text_encoder import read_captions
 
 GRID_PROMPTS = 9  # prompts taken from the data's captions: a 3 × 3 grid
 
@@ -70,14 +71,17 @@ class GridSampler:
     def encode_prompts(self) -> dict[str, torch.Tensor]:
         """sample.prompts and the empty negative prompt encoded as the grid's pipeline would, on the CPU."""
         prompts, tokens = self.cfg.sample.prompts, self.cfg.model.max_text_tokens
-        if self.encoders is not None:
-            return encode_prompts(self.encoders.t5, self.encoders.tokenizer, prompts, tokens, self.pipeline)
-        tokenizer, t5 = load_text_encoder_alone(self.cfg, self.device)
+        tokenizer, t5 = ((self.encoders.tokenizer, self.encoders.t5) if self.encoders is not None
+                         else load_text_encoder_alone(self.cfg, self.device))
+        if cut := read_captions(tokenizer, prompts, tokens).truncated:
+            print(f"sample.prompts: {cut} of {len(prompts)} prompts are longer than model.max_text_tokens={tokens} "
+                  f"tokens{BYTE_TOKENS.get(self.cfg.model.text_encoder, '')}: the grids show them cut there")
         try:
             return encode_prompts(t5, tokenizer, prompts, tokens, self.pipeline)
         finally:
-            del t5
-            release_cached(self.device)
+            if self.encoders is None:
+                del t5
+                release_cached(self.device)
 
     def pipeline_parts(self) -> dict:
         """What `build_pipeline` needs besides the transformer, for the export: the sampling scheduler, the frozen

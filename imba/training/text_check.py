@@ -13,17 +13,23 @@ shard cache), with the run's tokenizer alone:
 
 from __future__ import annotations
 
+import logging
 from itertools import islice
 
 from accelerate import Accelerator
 
 from data.concepts.captions import iter_shard_captions
-from data.remote import ShardCache
+from data.remote import ShardCache, StoreUnreachable
 from data.sources import Source
 from data.synthetic import CAPTION_WORDS
 from imba.training.config import Config, ConfigError
+from models.settings import TINY
 from models.text_encoder import CaptionReading, load_tokenizer, read_captions
 
+log = logging.getLogger(__name__)
+
+# what a token is where it is not a T5 word piece (about 0.8 of a word): the `tiny` encoder reads bytes
+BYTE_TOKENS = {TINY: " (tiny reads bytes: a token is a character, about a fifth of a word)"}
 SAMPLE = 256  # captions read per source
 REFUSE_UNKNOWN = 0.5  # share of unknown tokens that refuses the run
 WARN_UNKNOWN = 0.05
@@ -36,7 +42,10 @@ def sample_captions(sources: list[Source] | list[list[str]], caption_field: str,
     image read; a shard on object storage from its copy in `cache` (downloaded there first, as the reader would)."""
     def captions(urls: list[str]):
         for url in urls:  # a shard the store does not give is skipped here, as the reader will
-            yield from iter_shard_captions(url, caption_field, cache=cache)
+            try:
+                yield from iter_shard_captions(url, caption_field, cache=cache)
+            except StoreUnreachable as exn:  # the reader decides: its complete cached copies, or the store's line
+                log.warning("the caption check skips %s: %s", url, exn)
 
     return [caption for source in sources
             for caption in islice(captions(source.urls if isinstance(source, Source) else source), per_source)]
@@ -55,8 +64,8 @@ def judge(reading: CaptionReading, text_encoder: str, max_text_tokens: int) -> t
         warnings.append(f"warning: {unknown}; to read them, {fix}")
     if reading.captions and reading.truncated / reading.captions > WARN_TRUNCATED:
         warnings.append(f"warning: {reading.truncated} of {reading.captions} captions are longer than "
-                        f"model.max_text_tokens={max_text_tokens} tokens (the longest {reading.longest}): their ends "
-                        f"never reach the model; raise model.max_text_tokens")
+                        f"model.max_text_tokens={max_text_tokens} tokens{BYTE_TOKENS.get(text_encoder, '')} (the "
+                        f"longest {reading.longest}): their ends never reach the model; raise model.max_text_tokens")
     return refusal, warnings
 
 
