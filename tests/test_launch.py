@@ -573,3 +573,17 @@ def test_processes_on_one_machine_share_its_threads_rather_than_each_taking_all(
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_deepspeeds_first_compile_on_the_cpu_is_announced_until_its_op_is_built(tmp_path, monkeypatch):
+    from imba.training.distributed import DEEPSPEED_CPU_OP, deepspeed_build_notice
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert deepspeed_build_notice() is None  # not a DeepSpeed launch
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert deepspeed_build_notice() == (f"DeepSpeed: compiling its C++ op for collectives on the CPU "
+                                        f"({DEEPSPEED_CPU_OP}), once on this machine: a few minutes, kept in {tmp_path}")
+    (tmp_path / DEEPSPEED_CPU_OP).mkdir()
+    (tmp_path / DEEPSPEED_CPU_OP / f"{DEEPSPEED_CPU_OP}.so").write_bytes(b"")
+    assert deepspeed_build_notice() is None  # built: nothing to wait for

@@ -34,8 +34,28 @@ def check_output_dir(out: Path) -> None:
             raise ConfigError(f"train.output_dir={out} {where}: set train.output_dir to a new or existing folder")
 
 
+DEEPSPEED_CPU_OP = "deepspeed_shm_comm"  # the C++ op DeepSpeed compiles on a machine's first CPU run
+
+
+def deepspeed_build_notice() -> str | None:
+    """The line announcing DeepSpeed's compile of its CPU collectives' op, when a DeepSpeed launch on the CPU has
+    not built it yet on this machine (torch's extension folder: TORCH_EXTENSIONS_DIR, else its default), else
+    None: the compile takes minutes with nothing on the screen."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true" or torch.cuda.is_available():
+        return None
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    if os.path.isfile(os.path.join(root, DEEPSPEED_CPU_OP, f"{DEEPSPEED_CPU_OP}.so")):
+        return None
+    return (f"DeepSpeed: compiling its C++ op for collectives on the CPU ({DEEPSPEED_CPU_OP}), once on this machine: "
+            f"a few minutes, kept in {root}")
+
+
 def make_accelerator(cfg: Config, out: Path) -> Accelerator:
     check_output_dir(out)
+    if (notice := deepspeed_build_notice()) and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(notice, flush=True)  # before the accelerator: DeepSpeed compiles it while the processes connect
     trackers = tracker_names(cfg.train.trackers)
     if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
         trackers.remove("tensorboard")  # accelerate's tracker needs it; skip quietly when absent
