@@ -3,10 +3,12 @@ first), each written under its image."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageFont
 
 from data.sources import Source
@@ -110,3 +112,25 @@ def test_shards_without_captions_fall_back_to_the_synthetic_prompts_and_say_so(t
     cfg = load_config([f"data.shards={tmp_path / 'bare'}"])
     prompts, where = prompts_from_data(cfg, [Source("bare", [str(path)])])
     assert prompts == SYNTHETIC_PROMPTS and "set sample.prompts" in where
+
+
+def test_sample_prompts_the_encoder_cuts_are_one_line_of_ours_not_diffusers_cut_text(tmp_path, capfd):
+    from imba.training.sampling import GridSampler
+
+    long = " ".join(["a portrait of an officer in a navy uniform"] * 3)  # 128 bytes: over tiny's 64 tokens
+    cfg = load_config(["model.text_encoder=tiny", f"sample.prompts=[{long}, a red circle]",
+                       f"train.output_dir={tmp_path}"])
+    said = []  # diffusers' own records (its library logger does not propagate to pytest's capture)
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        sampler = GridSampler(cfg, cfg.objective.build(), torch.device("cpu"), True, encoders=None)
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert sampler.embeddings["prompt_embeds"].shape[:2] == (2, 64)
+    assert not [m for m in said if "truncated" in m]  # diffusers prints the cut text (for bytes, padding tokens)
+    printed = capfd.readouterr()
+    assert printed.out.strip() == ("sample.prompts: 1 of 2 prompts are longer than model.max_text_tokens=64 tokens "
+                                   "(tiny reads bytes: a token is a character, about a fifth of a word): the grids "
+                                   "show them cut there")
