@@ -11,12 +11,14 @@
         --out bench/composition_heldout         # the headline lever on seeds no setting was chosen on
     python bench/composition.py --levers        # data levers and representation diagnostics (online scenes)
     python bench/composition.py --diagnose OUT/models/<world>-<variant>-seed<s>-<steps> --out DIR
+    python bench/composition.py --report bench/composition_balance   # its tables and figures again from its record
 
-Output, in --out: results.md (every table, for both oracles, per whole prompt and per probed half), results.json
-(the settings, every run and every table), composition.png, exposure.png, monitor_<world>.png (levers.png and
-blocks.png with --levers), samples_<world>_<variant>_<steps>.png (the first seed's last evaluation), models/ (the
-EMA weights at every evaluation, for --diagnose) and runs/. Each finished run is saved in runs/ as it ends and is
-reused, as are the runs recorded in results.json, when a later command asks for the same (world, variant, seed)
+Output, in --out: results.md (every table, for both oracles, per whole prompt and per probed half), results.json.gz
+(the record: the settings, the judges, every run and every table), composition.png, exposure.png,
+monitor_<world>.png (levers.png and blocks.png with --levers), samples_<world>_<variant>_<steps>.png (the first
+seed's last evaluation), models/ (the EMA weights at every evaluation, for --diagnose) and runs/. `--report STUDY`
+writes results.md, the record and the figures again from a study's record alone. Each finished run is saved in runs/
+as it ends and is reused, as are the runs of the record, when a later command asks for the same (world, variant, seed)
 with the same settings: a study can be split over several commands, and an interrupted one reruns only what is
 missing. Runs carry the protocol number (PROTOCOL), and runs of another protocol are never reused. Each run trains
 in a process of its own (--workers, at most 2 by default, one thread each). The recorded results and their reading
@@ -84,6 +86,7 @@ import json
 import math
 import multiprocessing
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -97,16 +100,14 @@ for path in (str(REPO), str(REPO / "bench")):
 
 import torch  # noqa: E402
 
-from composition_report import (METRICS, bar_plot, exposure_plot, exposure_tables, failure_table,  # noqa: E402
-                                gap_closed, judge_report, judge_reports, levers_against_imba, levers_plots,
-                                levers_report, levers_summary, monitor_curves, run_facts, summarise, world_report)
+from composition_report import RESULTS, judge_reports, load_results, study_report  # noqa: E402
 from composition_scenes import (BUCKETS, COLOURS, FAILURES, IMAGES_OF, SHAPES, TILE, WORLDS,  # noqa: E402
                                 Oracle, PairWorld, ScenePool, TilePool, WordEncoder, judge, pair_name,
                                 probe_prompts, train_oracle)
 from composition_variants import (BALANCE_EVERY, DEFAULT_PER_PAIR, DEFAULT_SEEDS, DEFAULT_STEPS,  # noqa: E402
                                   DEFAULT_VARIANTS, DEFAULT_WORLDS, LEVER_VARIANTS, QUICK_STEPS, QUICK_VARIANTS,
-                                  VARIANTS, WEIGHTED_STREAMS, equal_compute_steps, imba_rows, is_lever,
-                                  is_stream_control, objective_of, relative_cost, train_lengths)
+                                  VARIANTS, WEIGHTED_STREAMS, equal_compute_steps, imba_rows, objective_of,
+                                  relative_cost, train_lengths)
 
 from data.online_balance import FACTOR_ONE  # noqa: E402
 from imba.loss import token_distance  # noqa: E402
@@ -377,7 +378,6 @@ def run_one(job: dict) -> dict:
     from imba.training.guard import DivergenceGuard
     from imba.training.hooks import Hooks
     from imba.training.step import TrainStep
-    from imba.training_loss import TrainingLoss
     from models.dit import build_transformer, predict
 
     variant, seed, lengths = job["variant"], job["seed"], sorted(job["steps"])
@@ -414,13 +414,13 @@ def run_one(job: dict) -> dict:
     accelerator = Accelerator(cpu=True)  # one process: the trainer's step on this machine's CPU
     model, optimizer, warmup = accelerator.prepare(model, optimizer, warmup)
     objective = build_objective(objective_of(variant))
-    loss_fn = TrainingLoss(**spec.loss.kwargs(), patch_size=PATCH)
+    loss_fn = spec.loss.build(patch_size=PATCH)
     if spec.shuffle_weights:  # a timestep_mean form: the loss's own level bins
         imba = loss_fn.imba
         imba.weights = weights_shuffled_within_levels(imba.weights, imba.timestep_mean.bin_of,
                                                       generator_for(seed, "shuffle"))
     if tile_weight is not None:
-        loss_fn = HalfWeightedLoss(loss_fn.imba.draw_drop_mask, tile_weight, joint=spec.reweight == "importance_joint")
+        loss_fn = HalfWeightedLoss(loss_fn.draw_drop, tile_weight, joint=spec.reweight == "importance_joint")
     select_gen, noise_gen = generator_for(seed, "select"), generator_for(seed, "noise")
     drop_gen, lever_gen = generator_for(seed, "drop"), generator_for(seed, "lever")
     units = [0]  # forward rows × 3 with gradient, × 1 without: a plain step of B rows is 3B
@@ -550,8 +550,8 @@ def save_run(runs_dir: Path, run: dict) -> None:
 
 
 def saved_run(runs_dir: Path, job: dict, recorded: list[dict] = ()) -> dict | None:
-    """A finished run of this job with the same settings, from `runs_dir` or from the runs of a recorded
-    results.json (`recorded`), or None."""
+    """A finished run of this job with the same settings, from `runs_dir` or from the runs of the study's record
+    (`recorded`), or None."""
     path = _run_path(runs_dir, job)
     candidates = [json.loads(path.read_text())] if path.is_file() else []
     candidates += [r for r in recorded if (r.get("world"), r["variant"], r["seed"]) ==
@@ -608,6 +608,30 @@ def run_plan(args):
     return variants, worlds, scenes, seeds, lengths, per_pair
 
 
+def detail_length(args, lengths: list[int], factors: tuple[float, ...]) -> int:
+    """Where the detail tables are read: the longest equal-step length, or with --reach-controls the controls' last
+    point (the longest length times the largest nominal cost)."""
+    if args.reach_controls and not args.no_equal_compute and factors:
+        return equal_compute_steps(lengths[-1], max(factors))
+    return lengths[-1]
+
+
+def report_from_record(folder: Path, out: Path) -> int:
+    """`--report`: the study recorded in `folder` reported again from its runs and judges, into `out`, as the
+    command it records wrote it (no training, no sampling)."""
+    payload = load_results(folder)
+    if payload is None or "judges" not in payload:
+        raise SystemExit(f"error: {folder} holds no study of this benchmark's protocol ({RESULTS} with its judges); "
+                         "pass a folder the benchmark wrote")
+    recorded = build_parser().parse_args(shlex.split(payload["command"])[2:])
+    factors = tuple(sorted({relative_cost(v, recorded.batch_size) for v in payload["variants"]} - {1.0}))
+    out.mkdir(parents=True, exist_ok=True)
+    study_report(out, payload, payload["lengths"], detail_length(recorded, payload["lengths"], factors))
+    print(f"wrote {out / 'results.md'}, {out / RESULTS} and the figures from the {len(payload['runs'])} runs recorded "
+          f"in {folder}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -657,12 +681,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool", type=int, default=8192, help="tiles in the training pool per seed")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="parallel training processes (one thread each)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "composition_results")
+    parser.add_argument("--report", type=Path, default=None, metavar="STUDY",
+                        help=f"only report the study recorded in STUDY ({RESULTS}) again: its results.md, record and "
+                             "figures from its runs, into --out (default: STUDY itself)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default bench/composition_results; with --report, STUDY)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        return report_from_record(args.report, args.out or args.report)
+    args.out = args.out or REPO / "bench" / "composition_results"
     if args.diagnose:
         return diagnose_saved_model(args.diagnose, args.out)
     variants, worlds, scenes, seeds, lengths, per_pair = run_plan(args)
@@ -704,10 +735,10 @@ def main(argv: list[str] | None = None) -> int:
     # longest first: better packing
     jobs.sort(key=lambda j: -relative_cost(j["variant"], args.batch_size) * max(j["steps"]))
     # every finished run is saved at once: an interrupted benchmark reruns only the missing ones, and the runs
-    # recorded in results.json (committed with the results) are reused too
-    runs_dir, results_path = args.out / "runs", args.out / "results.json"
+    # of the study's record (committed with the results) are reused too
+    runs_dir = args.out / "runs"
     runs_dir.mkdir(exist_ok=True)
-    recorded = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
+    recorded = (load_results(args.out) or {"runs": []})["runs"]
     finished, todo = {}, []
     for job in {_key(computed_as(j)): computed_as(j) for j in jobs}.values():
         done = saved_run(runs_dir, job, recorded)
@@ -728,61 +759,18 @@ def main(argv: list[str] | None = None) -> int:
         pool.close()  # let the workers exit on their own: the terminate() of `with` can deadlock on idle ones
         pool.join()
     runs = [in_world(finished[_key(computed_as(job))], job["world"]) for job in jobs]
-
-    from imba.plots import plot_monitor
-
+    command = "python bench/composition.py " + " ".join(argv if argv is not None else sys.argv[1:])
     judges = judge_reports({"oracle": oracle_path, **({"second oracle": oracle_b} if oracle_b else {})})
-    report = f"Command: `python bench/composition.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
-    report += judge_report(judges)
-    per_world: dict = {}
-    summaries_prompt: dict = {}
-    # the gap is read at every length a variant was evaluated at (with --reach-controls also at the controls' last
-    # point, and where a cheaper variant's compute reaches it); the detail tables at the last point every variant has
-    gap_lengths = sorted({*lengths, *(n for r in runs if not is_stream_control(r["variant"]) for n in r["results"])})
-    detail = (equal_compute_steps(lengths[-1], max(factors)) if args.reach_controls and equal_compute and factors
-              else lengths[-1])
-    for world in worlds:
-        mine = [r for r in runs if r["world"] == world]
-        summaries = {m: summarise(mine, m) for m in METRICS}
-        gaps = {(t, m): gap_closed(mine, gap_lengths, compute=c, metric=m)
-                for t, c in (("equal steps", False), ("equal compute", True)) for m in ("per_pair", "per_pair_half")}
-        exposure = exposure_tables(mine, detail)
-        failures = failure_table(mine, detail)
-        facts = run_facts(mine, detail)
-        report += world_report(world, summaries, gaps, failures, exposure, facts, variants, gap_lengths, len(seeds),
-                               detail)
-        levers = levers_summary(mine)
-        levers["against_imba"] = levers_against_imba(mine, lengths)
-        if levers["summary"] and any(is_lever(v) for v in variants):
-            report += levers_report(levers, variants)
-            levers_plots(levers, mine, variants, args.out)
-        curves = monitor_curves(mine)
-        if curves:
-            plot_monitor(curves, args.out / f"monitor_{world}.png",
-                         ylabel="mean IMBA distance d over the object's tokens",
-                         title=f"{world}: IMBA distance per bucket (seed mean)")
-        summaries_prompt[world] = summaries["per_pair"]
-        per_world[world] = {
-            "summary": {m: {str(k): v for k, v in s.items()} for m, s in summaries.items()},
-            "gap_closed": {f"{t}, {m}": {str(k): v for k, v in table.items()} for (t, m), table in gaps.items()},
-            "exposure": exposure, "failures": failures, "facts": facts, "distance_curves": curves,
-            "levers": {"summary": {str(k): v for k, v in levers["summary"].items()},
-                       "relations": {str(k): v for k, v in levers["relations"].items()},
-                       "against_imba": {str(k): v for k, v in levers["against_imba"].items()}}}
-    bar_plot(summaries_prompt, variants, detail, args.out / "composition.png")
-    exposure_plot(runs, detail, variants, args.out / "exposure.png")
     payload = {
-        "command": "python bench/composition.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "seeds": seeds, "lengths": lengths, "worlds": worlds, "scenes": scenes, "fixed_ranks": args.fixed_ranks,
-        "per_pair": per_pair, "sampling_steps": args.sampling_steps, "variants": variants, "oracle": oracle_report,
-        "judges": judges, "wall_seconds": time.perf_counter() - started,
+        "command": command, "seeds": seeds, "lengths": lengths, "worlds": worlds, "scenes": scenes,
+        "fixed_ranks": args.fixed_ranks, "per_pair": per_pair, "sampling_steps": args.sampling_steps,
+        "variants": variants, "oracle": oracle_report, "judges": judges, "wall_seconds": time.perf_counter() - started,
         "pool_tiles": {w: {pair_name(p): n for p, n in PairWorld(w).pool_counts(args.pool).items()} for w in worlds},
-        "worlds_results": per_world, "runs": runs,
+        "worlds_results": None, "runs": runs,
     }
-    results_path.write_text(json.dumps(payload, indent=1))
-    (args.out / "results.md").write_text(report)
+    report = study_report(args.out, payload, lengths, detail_length(args, lengths, factors))
     print(report)
-    print(f"wrote {args.out}/results.json, results.md, composition.png in {payload['wall_seconds'] / 60:.1f} min")
+    print(f"wrote {args.out}/{RESULTS}, results.md, composition.png in {payload['wall_seconds'] / 60:.1f} min")
     return 0
 
 

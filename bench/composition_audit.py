@@ -16,7 +16,6 @@ frequency ranks), so pair names and buckets are the same in every run. Prints, a
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ for path in (str(REPO), str(REPO / "bench")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from composition_report import load_results, mean_ci  # noqa: E402
 from composition_scenes import SHAPES, PairWorld, pair_name, probe_prompts  # noqa: E402
 
 BENCH = REPO / "bench"
@@ -33,8 +33,7 @@ BENCH = REPO / "bench"
 
 def mean_per_pair(runs: list[dict], variant: str, length: int) -> dict[str, float]:
     """Each pair's success averaged over the seeds of one variant at one length."""
-    chosen = [r["results"][str(length)]["per_pair"] for r in runs
-              if r["variant"] == variant and str(length) in r["results"]]
+    chosen = [r["results"][length]["per_pair"] for r in runs if r["variant"] == variant and length in r["results"]]
     return {name: statistics.fmean(p[name] for p in chosen) for name in chosen[0]}
 
 
@@ -42,8 +41,8 @@ def seed_differences(runs: list[dict], a: str, la: int, b: str, lb: int, names: 
     """Per seed: mean over `names` of a's success at la minus b's at lb."""
     out = []
     for seed in sorted({r["seed"] for r in runs}):
-        ra = next(r for r in runs if (r["variant"], r["seed"]) == (a, seed))["results"][str(la)]["per_pair"]
-        rb = next(r for r in runs if (r["variant"], r["seed"]) == (b, seed))["results"][str(lb)]["per_pair"]
+        ra = next(r for r in runs if (r["variant"], r["seed"]) == (a, seed))["results"][la]["per_pair"]
+        rb = next(r for r in runs if (r["variant"], r["seed"]) == (b, seed))["results"][lb]["per_pair"]
         out.append(statistics.fmean(ra[n] - rb[n] for n in names))
     return out
 
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     world = PairWorld()
-    runs = json.loads((BENCH / "composition_results" / "results.json").read_text())["runs"]
+    runs = load_results(BENCH / "composition_results")["runs"]
     names = {b: [pair_name(p) for p in world.pairs if world.buckets[p] == b] for b in world.buckets.values()}
     plain, balanced = mean_per_pair(runs, "plain", 2000), mean_per_pair(runs, "plain_balanced", 2000)
 
@@ -88,20 +87,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(names[b])}" for b in ("head", "torso", "tail", "held_out")) + f"); plain reads red cross "
           f"{100 * plain['red cross']:.1f} %")
 
-    from composition_report import mean_ci
-
     for bucket in ("tail", "held_out"):
         d = seed_differences(runs, "imba_target_tnorm_efficient", 2000, "plain", 2600, names[bucket])
         print(f"finding 5: imba_target_tnorm_efficient @ 2000 − plain @ 2600 on {bucket}: "
               "{:+.1f} ± {:.1f} points".format(*(100 * x for x in mean_ci(d))))
-    seconds = {v: statistics.fmean(r["results"]["2000"]["train_seconds"] for r in runs if r["variant"] == v)
+    seconds = {v: statistics.fmean(r["results"][2000]["train_seconds"] for r in runs if r["variant"] == v)
                for v in ("plain", "imba_target_tnorm_efficient", "imba_target_tnorm")}
     print(f"  training seconds to 2,000 steps over plain's: efficient {seconds['imba_target_tnorm_efficient'] / seconds['plain']:.2f}×, "
           f"literal {seconds['imba_target_tnorm'] / seconds['plain']:.2f}×")
-    levers = json.loads((BENCH / "composition_levers" / "results.json").read_text())["runs"]
+    levers = load_results(BENCH / "composition_levers")["runs"]
     nmi: dict = {}
     for r in levers:
-        nmi.setdefault(r["variant"], []).append(r["results"]["1000"]["attribute_nmi"])
+        nmi.setdefault(r["variant"], []).append(r["results"][1000]["attribute_nmi"])
     print(f"  levers: NMI of the {sum(map(len, nmi.values()))} runs at 1,000 steps, per variant (min-max over seeds): "
           + ", ".join(f"{v} {min(x):.4f}-{max(x):.4f}" for v, x in nmi.items()))
 

@@ -5,6 +5,7 @@ recorded."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import statistics
@@ -558,3 +559,78 @@ def judge_reports(paths: dict) -> dict:
         out[name] = {**json.loads(Path(path).with_suffix(".json").read_text()), "per_class": oracle_per_class(oracle)}
     return out
 
+
+
+RESULTS = "results.json.gz"  # a study's record: its settings, judges, every run and the tables computed from them
+
+
+def load_results(folder: Path) -> dict | None:
+    """The study recorded in `folder` (results.json.gz, or the uncompressed results.json of an older output folder),
+    each run's evaluations keyed by their length as an int; None where there is none."""
+    folder = Path(folder)
+    if (folder / RESULTS).is_file():
+        payload = json.loads(gzip.decompress((folder / RESULTS).read_bytes()))
+    elif (folder / "results.json").is_file():
+        payload = json.loads((folder / "results.json").read_text())
+    else:
+        return None
+    for run in payload["runs"]:
+        run["results"] = {int(k): v for k, v in run["results"].items()}
+    return payload
+
+
+def save_results(folder: Path, payload: dict) -> None:
+    """Write the study's record, compressed; the same payload gives the same bytes (no time in the gzip header)."""
+    tmp = Path(folder) / (RESULTS + ".tmp")
+    tmp.write_bytes(gzip.compress(json.dumps(payload, separators=(",", ":")).encode(), compresslevel=9, mtime=0))
+    tmp.replace(Path(folder) / RESULTS)
+
+
+def study_report(out: Path, payload: dict, lengths: list[int], detail: int) -> str:
+    """Every table and figure of a study from its recorded runs and judges, as the benchmark writes them at its end
+    and `composition.py --report` rewrites them: results.md, the figures, and the record with its tables
+    (`worlds_results`), all in `out`. `lengths`: the equal-step lengths asked for; `detail`: where the detail
+    tables are read."""
+    from imba.plots import plot_monitor
+
+    runs, variants, worlds = payload["runs"], payload["variants"], payload["worlds"]
+    report = f"Command: `{payload['command']}`\n" + judge_report(payload["judges"])
+    per_world: dict = {}
+    summaries_prompt: dict = {}
+    # the gap is read at every length a variant was evaluated at (with --reach-controls also at the controls' last
+    # point, and where a cheaper variant's compute reaches it); the detail tables at the last point every variant has
+    gap_lengths = sorted({*lengths, *(n for r in runs if not is_stream_control(r["variant"]) for n in r["results"])})
+    for world in worlds:
+        mine = [r for r in runs if r["world"] == world]
+        summaries = {m: summarise(mine, m) for m in METRICS}
+        gaps = {(t, m): gap_closed(mine, gap_lengths, compute=c, metric=m)
+                for t, c in (("equal steps", False), ("equal compute", True)) for m in ("per_pair", "per_pair_half")}
+        exposure = exposure_tables(mine, detail)
+        failures = failure_table(mine, detail)
+        facts = run_facts(mine, detail)
+        report += world_report(world, summaries, gaps, failures, exposure, facts, variants, gap_lengths,
+                               len(payload["seeds"]), detail)
+        levers = levers_summary(mine)
+        levers["against_imba"] = levers_against_imba(mine, lengths)
+        if levers["summary"] and any(is_lever(v) for v in variants):
+            report += levers_report(levers, variants)
+            levers_plots(levers, mine, variants, out)
+        curves = monitor_curves(mine)
+        if curves:
+            plot_monitor(curves, out / f"monitor_{world}.png", ylabel="mean IMBA distance d over the object's tokens",
+                         title=f"{world}: IMBA distance per bucket (seed mean)")
+        summaries_prompt[world] = summaries["per_pair"]
+        per_world[world] = {
+            "summary": {m: {str(k): v for k, v in s.items()} for m, s in summaries.items()},
+            "gap_closed": {f"{t}, {m}": {str(k): v for k, v in table.items()} for (t, m), table in gaps.items()},
+            "exposure": exposure, "failures": failures, "facts": facts, "distance_curves": curves,
+            "levers": {"summary": {str(k): v for k, v in levers["summary"].items()},
+                       "relations": {str(k): v for k, v in levers["relations"].items()},
+                       "against_imba": {str(k): v for k, v in levers["against_imba"].items()}}}
+    bar_plot(summaries_prompt, variants, detail, out / "composition.png")
+    exposure_plot(runs, detail, variants, out / "exposure.png")
+    # a JSON round trip makes the tables' tuples lists, as a record read back has them
+    payload["worlds_results"] = json.loads(json.dumps(per_world))
+    save_results(out, payload)
+    (out / "results.md").write_text(report)
+    return report

@@ -7,6 +7,7 @@ run draws as blobs?
     python bench/default_balance.py --runs natural imba --out /tmp/db    # a subset
     python bench/default_balance.py --runs natural imba --seeds 0 1 2 --out bench/default_balance_seeds
                                                                          # three training seeds each
+    python bench/default_balance.py --report --out bench/default_balance_seeds   # its results.md again
 
 For every run, the exported pipeline samples "a red <shape>" and "a blue <shape>" for the six shapes of the default
 run's grid prompts (circle, square, triangle: head; star, cross, ring: tail), 8 seeds each (guidance 4.5, 20
@@ -114,13 +115,43 @@ def side_by_side(grids: dict[str, Path], path: Path) -> None:
     canvas.save(path)
 
 
+def write_table(folder: Path) -> str:
+    """results.md of a study from its results.json: per run and training seed the share of each shape's samples read
+    right, with several training seeds their mean and range; returns what it wrote."""
+    record = json.loads((folder / "results.json").read_text())
+    shapes = (*HEAD, *TAIL)
+    per = len(record["colours"]) * len(record["seeds"])
+    lines = [f"Command: `{record['command']}`", "", f"Samples read as the prompted shape, of {per} per shape and "
+             f"training seed (red and blue, {len(record['seeds'])} sampling seeds); with several training seeds, "
+             "their mean and range:", "",
+             "| run | train.seed | " + " | ".join(shapes) + " |", "|---" * (len(shapes) + 2) + "|"]
+    for name, by_seed in record["results"].items():
+        for seed, r in by_seed.items():
+            lines.append(f"| {name} | {seed} | "
+                         + " | ".join(f"{100 * r['shapes'][s]['right']:.0f} %" for s in shapes) + " |")
+        if len(by_seed) > 1:
+            cells = []
+            for s in shapes:
+                rates = [100 * r["shapes"][s]["right"] for r in by_seed.values()]
+                cells.append(f"**{sum(rates) / len(rates):.0f} %** ({min(rates):.0f}–{max(rates):.0f})")
+            lines.append(f"| **{name}** | mean | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    (folder / "results.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds (train.seed), default 0")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "default_balance")
+    parser.add_argument("--report", action="store_true",
+                        help="only write --out's results.md again from its results.json (no training, no sampling)")
     args = parser.parse_args(argv)
+    if args.report:
+        print(write_table(args.out), end="")
+        return 0
     from shape_reading import reference_features
 
     references = {s: reference_features(s) for s in (*HEAD, *TAIL)}
@@ -141,23 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/default_balance.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out / "results.json").write_text(json.dumps({"command": command, "runs": RUNS, "seeds": SEEDS,
                                                        "colours": COLOURS, "results": results}, indent=1))
-    shapes = (*HEAD, *TAIL)
-    per = len(COLOURS) * len(SEEDS)
-    lines = [f"Command: `{command}`", "", f"Samples read as the prompted shape, of {per} per shape and training seed "
-             f"(red and blue, {len(SEEDS)} sampling seeds); with several training seeds, their mean and range:", "",
-             "| run | train.seed | " + " | ".join(shapes) + " |", "|---" * (len(shapes) + 2) + "|"]
-    for name, by_seed in results.items():
-        for seed, r in by_seed.items():
-            lines.append(f"| {name} | {seed} | "
-                         + " | ".join(f"{100 * r['shapes'][s]['right']:.0f} %" for s in shapes) + " |")
-        if len(by_seed) > 1:
-            cells = []
-            for s in shapes:
-                rates = [100 * r["shapes"][s]["right"] for r in by_seed.values()]
-                cells.append(f"**{sum(rates) / len(rates):.0f} %** ({min(rates):.0f}–{max(rates):.0f})")
-            lines.append(f"| **{name}** | mean | " + " | ".join(cells) + " |")
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(write_table(args.out), end="")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The synthetic composition benchmark (bench/composition.py): its world, streams, judge, statistics and a smoke
 run."""
 
+import gzip
 import json
 import math
 import shutil
@@ -22,6 +23,7 @@ from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHA
                                 PairWorld, ScenePool, TilePool, WordEncoder, balance_marginals, caption,
                                 colour_value, judge, oracle_accuracy, oracle_per_class, pair_name, probe_prompts,
                                 render_tiles, rotate_hue, train_oracle)
+from imba.loss import IMBALoss  # noqa: E402
 
 
 def test_world_holds_out_pairs_and_splits_the_seen_ones_in_thirds():
@@ -158,8 +160,8 @@ def test_a_variant_is_data_and_a_key_the_runner_does_not_know_is_an_error():
             composition_variants.variant(**bad)
     # every loss setting of a variant reaches the loss it trains with, as the trainer's loss section does
     spec = composition_variants.variant(kind="imba", distance="l1", gamma=0.5, lam=0.7, reference="cond")
-    assert spec.loss.kwargs() == {"kind": "imba", "distance": "l1", "gamma": 0.5, "lam": 0.7, "reference": "cond",
-                                  "normalize": "none", "estimator": "literal", "min_snr_gamma": 0.0}
+    assert spec.loss.build(patch_size=1).imba == IMBALoss(gamma=0.5, lam=0.7, patch_size=1, distance="l1",
+                                                          reference="cond")
     with pytest.raises(TypeError, match="reference"):  # a setting the plain loss does not read
         composition_variants.variant(kind="plain", reference="cond")
     with pytest.raises(ValueError, match="variant loss kind must be one of plain, imba, imba_sample"):
@@ -732,6 +734,32 @@ def test_the_shipped_oracle_reads_fresh_tiles_it_never_saw():
     assert recorded["pair_accuracy"] >= 0.99 and recorded["test_tiles"] == 3000
 
 
+def recorded(folder) -> dict:
+    """A study's record as written (gzip-compressed JSON)."""
+    return json.loads(gzip.decompress((folder / composition_report.RESULTS).read_bytes()))
+
+
+def test_a_recorded_study_reports_its_committed_tables_again(tmp_path):
+    # every table of bench/composition_heldout/results.md comes from its compressed record alone
+    study = REPO / "bench" / "composition_heldout"
+    assert composition.main(["--report", str(study), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == (study / "results.md").read_text()
+    assert {"composition.png", "exposure.png", composition_report.RESULTS} <= {p.name for p in tmp_path.iterdir()}
+    again = composition_report.load_results(tmp_path)
+    assert again["runs"] == composition_report.load_results(study)["runs"]
+    assert set(again["runs"][0]["results"]) == {1000, 1500, 1950}  # lengths read back as ints
+    with pytest.raises(SystemExit, match="holds no study of this benchmark's protocol"):
+        composition.main(["--report", str(REPO / "bench" / "composition_eps"), "--out", str(tmp_path / "p1")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("study", ["composition_results_v2", "composition_balance", "composition_heldout_14"])
+def test_every_recorded_study_reports_its_committed_tables_again(tmp_path, study):
+    folder = REPO / "bench" / study
+    assert composition.main(["--report", str(folder), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == (folder / "results.md").read_text()
+
+
 def test_a_missing_oracle_is_a_one_line_error(tmp_path):
     with pytest.raises(SystemExit, match="no oracle at .*pass --train-oracle"):
         composition.main(["--oracle", str(tmp_path / "none.pt"), "--out", str(tmp_path)])
@@ -746,7 +774,7 @@ def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, caps
             "--seeds", "0", "--steps", "4", "--per-pair", "2", "--pool", "300", "--batch-size", "4", "--workers", "1",
             "--out", str(tmp_path), "--oracle", str(tmp_path / "judge.pt"), "--sampling-steps", "2"]
     assert composition.main(argv) == 0
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = recorded(tmp_path)
     assert results["lengths"] == [4] and results["oracle"] == report and results["sampling_steps"] == 2
     assert results["worlds"] == list(composition_variants.DEFAULT_WORLDS) and results["scenes"] == "fixed"
     assert set(results["judges"]) == {"oracle", "second oracle"}  # the shipped second oracle reads beside
@@ -784,11 +812,16 @@ def test_benchmark_smoke_run_writes_results_table_plots_and_grids(tmp_path, caps
     capsys.readouterr()
     assert composition.main(argv) == 0
     assert "reusing 10 finished runs" in capsys.readouterr().out
-    assert json.loads((tmp_path / "results.json").read_text())["worlds_results"]["concept_tail"]["summary"] == first
-    # a fresh checkout has results.json but no runs/ folder: its recorded runs are reused as well
+    assert recorded(tmp_path)["worlds_results"]["concept_tail"]["summary"] == first
+    # a fresh checkout has the study's record but no runs/ folder: its recorded runs are reused as well
     shutil.rmtree(tmp_path / "runs")
     assert composition.main(argv) == 0
     assert "reusing 10 finished runs" in capsys.readouterr().out
+    # the report again from the record alone: the same tables and record, the figures too
+    assert composition.main(["--report", str(tmp_path), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "results.md").read_text() == (tmp_path / "results.md").read_text()
+    assert recorded(tmp_path / "again") == recorded(tmp_path)
+    assert (tmp_path / "again" / "composition.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
@@ -799,7 +832,7 @@ def test_levers_smoke_run_reports_the_levers_and_diagnoses_a_saved_model(tmp_pat
     argv = ["--levers", "--seeds", "0", "--steps", "4", "--per-pair", "2", "--pool", "300", "--batch-size", "4",
             "--workers", "1", "--out", str(tmp_path), "--oracle", str(tmp_path / "judge.pt"), "--sampling-steps", "2"]
     assert composition.main(argv) == 0
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = recorded(tmp_path)
     assert results["worlds"] == ["concept_tail"] and results["scenes"] == "online"
     assert sorted(r["variant"] for r in results["runs"]) == sorted(composition_variants.LEVER_VARIANTS)
     lengths = {r["variant"]: set(r["results"]) for r in results["runs"]}
