@@ -77,6 +77,8 @@ importable = [m for m in {TRAINING_STACK!r} if importlib.util.find_spec(m) is no
 assert not importable, importable
 core = [r for r in metadata.requires("imba-dit") if "extra ==" not in r]
 assert [r.replace(" ", "") for r in core] == ["torch>=2.4"], core
+# the trainer and the evaluation read a checkout's data/ and models/: the wheel does not hold them
+assert importlib.util.find_spec("imba.training") is None and importlib.util.find_spec("imba.eval") is None
 """ + LOSS_RUN
 
 # Run in this environment with every module unimportable but the standard library, torch and what torch needs (as
