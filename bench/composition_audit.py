@@ -25,8 +25,9 @@ for path in (str(REPO), str(REPO / "bench")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from composition_report import load_results, mean_ci  # noqa: E402
+from composition_report import load_results  # noqa: E402
 from composition_scenes import SHAPES, PairWorld, pair_name, probe_prompts  # noqa: E402
+from seed_stats import mean_ci  # noqa: E402
 
 BENCH = REPO / "bench"
 

@@ -11,12 +11,12 @@ Grouped by the probed pair's bucket (head / torso / tail / held-out).
 
 from __future__ import annotations
 
-import math
 import statistics
 
 import torch
 
 from composition_scenes import TILE, PairWorld, WordEncoder, bucket_success, probe_prompts
+from seed_stats import pearson
 
 PROMPTS_PER_PAIR = 4
 DRAWS = 2
@@ -94,19 +94,6 @@ def run_numbers(run: dict, length: int) -> dict | None:
         return None
     return {**bucket_success(result["per_pair"], run["buckets"]), "attribute_nmi": result["attribute_nmi"],
             **diagnostic_numbers(result["diagnostics"])}
-
-
-def pearson(x: list[float], y: list[float]) -> tuple[float, float, float] | None:
-    """Pearson r of paired values with its 95 % interval (Fisher z), or None for fewer than 4 pairs or a constant
-    side."""
-    if len(x) < 4 or len(set(x)) < 2 or len(set(y)) < 2:
-        return None
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    r = sxy / (sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y)) ** 0.5
-    r = max(-0.999999, min(0.999999, r))
-    z, half = math.atanh(r), 1.959963984540054 / math.sqrt(len(x) - 3)
-    return r, math.tanh(z - half), math.tanh(z + half)
 
 
 RELATIONS = ("attribute_nmi", "shape_probe_gap", "colour_probe_gap", "shape_probe_held_out", "cka_held_out")

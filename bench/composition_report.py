@@ -16,21 +16,12 @@ import torch
 from composition_scenes import BUCKETS, COLOURS, FAILURES, SHAPES, Oracle, bucket_success, oracle_per_class
 from composition_variants import (CONTROLS, VARIANTS, equal_compute_steps, is_lever, is_stream_control,
                                   objective_of, relative_cost)
+from seed_stats import fraction_interval, mean_ci
 
 from imba.loss_settings import PlainLoss
 
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086}
 # what a run's success is read from: the whole prompt or the probed half alone, by the oracle or the second one
 METRICS = ("per_pair", "per_pair_half", "per_pair_b", "per_pair_half_b")
-
-
-def mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % t confidence interval over seeds (0 for a single value)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def per_seed(runs: list[dict], metric: str = "per_pair") -> dict:
@@ -71,31 +62,6 @@ def at_compute(run: dict, compute: float, metric: str, slack: float = 0.02) -> d
 def bucket_rows(per_pair: dict, buckets: dict[str, str], bucket: str) -> list[float]:
     names = [n for n, b in sorted(buckets.items()) if (b != "held_out" if bucket == "all_seen" else b == bucket)]
     return [per_pair[n] for n in names]
-
-
-def t_975(df: int) -> float:
-    """The 97.5 % quantile of Student's t with `df` degrees of freedom (1.96 beyond the table)."""
-    return T_975.get(df, 1.96)
-
-
-def fraction_interval(gains: list[float], gaps: list[float]) -> tuple[float, float] | None:
-    """95 % interval of the fraction mean(gain) / mean(gap) over seeds (Fieller's: the fractions f whose per-seed
-    differences gain_s - f * gap_s a paired t-test over the seeds does not reject as mean 0). gains[s], gaps[s]:
-    seed s's mean over the pairs of one bucket. The seeds are what varies between repetitions: the pairs are the
-    same ones in every seed and their spread is not a source of repetition error. None with fewer than 2 seeds, or
-    where the gap is not clearly above 0 over the seeds (the set of fractions is then unbounded)."""
-    n = len(gains)
-    if n < 2:
-        return None
-    mean_a, mean_b = statistics.fmean(gains), statistics.fmean(gaps)
-    var_a, var_b, cov = statistics.variance(gains), statistics.variance(gaps), statistics.covariance(gains, gaps)
-    q = t_975(n - 1) ** 2 / n
-    # (mean_a - f mean_b)^2 <= q (var_a - 2 f cov + f^2 var_b), a quadratic A f^2 - 2 B f + C <= 0
-    A, B, C = mean_b ** 2 - q * var_b, mean_a * mean_b - q * cov, mean_a ** 2 - q * var_a
-    if A <= 0:
-        return None
-    root = math.sqrt(max(B * B - A * C, 0.0))
-    return (B - root) / A, (B + root) / A
 
 
 def gap_closed(runs: list[dict], lengths: list[int], compute: bool, metric: str = "per_pair") -> dict:
@@ -587,16 +553,14 @@ def save_results(folder: Path, payload: dict) -> None:
 
 
 def study_report(out: Path, payload: dict, lengths: list[int], detail: int) -> str:
-    """Every table and figure of a study from its recorded runs and judges, as the benchmark writes them at its end
-    and `composition.py --report` rewrites them: results.md, the figures, and the record with its tables
-    (`worlds_results`), all in `out`. `lengths`: the equal-step lengths asked for; `detail`: where the detail
-    tables are read."""
+    """results.md, the figures and the record with its tables (`worlds_results`) of a study, into `out`, from its
+    recorded runs and judges (the benchmark's end, and `composition.py --report`). `lengths`: the equal-step
+    lengths asked for; `detail`: where the detail tables are read."""
     from imba.plots import plot_monitor
 
     runs, variants, worlds = payload["runs"], payload["variants"], payload["worlds"]
     report = f"Command: `{payload['command']}`\n" + judge_report(payload["judges"])
-    per_world: dict = {}
-    summaries_prompt: dict = {}
+    per_world, summaries_prompt = {}, {}
     # the gap is read at every length a variant was evaluated at (with --reach-controls also at the controls' last
     # point, and where a cheaper variant's compute reaches it); the detail tables at the last point every variant has
     gap_lengths = sorted({*lengths, *(n for r in runs if not is_stream_control(r["variant"]) for n in r["results"])})
@@ -629,8 +593,7 @@ def study_report(out: Path, payload: dict, lengths: list[int], detail: int) -> s
                        "against_imba": {str(k): v for k, v in levers["against_imba"].items()}}}
     bar_plot(summaries_prompt, variants, detail, out / "composition.png")
     exposure_plot(runs, detail, variants, out / "exposure.png")
-    # a JSON round trip makes the tables' tuples lists, as a record read back has them
-    payload["worlds_results"] = json.loads(json.dumps(per_world))
+    payload["worlds_results"] = per_world
     save_results(out, payload)
     (out / "results.md").write_text(report)
     return report
