@@ -23,14 +23,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from imba.loss_settings import ImbaLoss, PlainLoss  # noqa: E402
 from imba.objectives import RectifiedFlow  # noqa: E402
-from imba.training_loss import TrainingLoss  # noqa: E402
 from models.dit import build_transformer, count_parameters, predict  # noqa: E402
 
 MODES = {
-    "plain": dict(kind="plain"),
-    "imba_literal": dict(kind="imba", estimator="literal"),
-    "imba_efficient": dict(kind="imba", estimator="efficient"),
+    "plain": PlainLoss(),
+    "imba_literal": ImbaLoss(estimator="literal"),
+    "imba_efficient": ImbaLoss(estimator="efficient"),
 }
 
 
@@ -38,7 +38,7 @@ def make_step(args, mode: str):
     torch.manual_seed(0)
     model = build_transformer(args.preset, args.latent_size, args.caption_dim)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss_fn = TrainingLoss(**MODES[mode])
+    loss_fn = MODES[mode].build()
     objective = RectifiedFlow()
     g = torch.Generator().manual_seed(1)
     b, n_text = args.batch_size, args.text_tokens

@@ -8,7 +8,8 @@ import importlib
 
 # name -> the module that defines it, imported on first use: the training config (`imba.training.config`, and so
 # `train.py --help` and config errors) reads the loss's settings without importing torch
-_MODULE_OF = {"NullCaption": "imba.captions", "TrainingLoss": "imba.training_loss",
+_MODULE_OF = {"NullCaption": "imba.captions",
+              **dict.fromkeys(["ImbaTrainingLoss", "PlainTrainingLoss", "TrainingLoss"], "imba.training_loss"),
               **dict.fromkeys(["IMBALoss", "LossStats", "TimestepMean", "patchify", "plain_loss", "token_distance"],
                               "imba.loss")}
 __all__ = sorted(_MODULE_OF)

@@ -5,7 +5,7 @@ the objectives check their arguments against them, and the training config (`imb
 DISTANCES = ("mse", "l1", "l2")  # IMBALoss(distance=)
 REFERENCES = ("target", "cond")  # IMBALoss(reference=)
 NORMALIZATIONS = ("none", "batch_mean", "timestep_mean")  # IMBALoss(normalize=)
-ESTIMATORS = ("literal", "efficient")  # TrainingLoss(estimator=)
+ESTIMATORS = ("literal", "efficient")  # ImbaTrainingLoss(estimator=)
 # The beta schedules that both diffusers' DDPMScheduler (training) and DPMSolverMultistepScheduler (sampling, the
 # export's scheduler) implement; DDPMScheduler alone also has "sigmoid".
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")

@@ -1,12 +1,12 @@
-"""The `loss` section of the training config: which loss trains the DiT (`imba.training_loss.TrainingLoss`), one
+"""The `loss` section of the training config: which loss trains the DiT (`imba.training_loss`), one
 kind with its own settings (a config section, as `models/settings.py` says):
 
     loss: {kind: plain, lam: 0.9}                              # python train.py loss=plain loss.lam=0.8
     loss: {kind: imba, gamma: 0.8, normalize: timestep_mean}   # python train.py loss=imba loss.gamma=0.5
 
-Each kind is a dataclass of its settings, registered in LOSS_SETTINGS by its KIND; its fields are `TrainingLoss`'s
-keywords, so a setting added to a kind reaches the loss through `kwargs()`, and a setting its kind does not read is
-refused when the config loads."""
+Each kind is a dataclass of its settings, registered in LOSS_SETTINGS by its KIND, that builds its own training loss
+(`build()`: a class of `imba.training_loss`); a setting its kind does not read is refused when the config loads. A new
+kind is its dataclass here and its loss class there."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ class LossConfig(abc.ABC):
     # (objective.kind=ddpm); with IMBA it multiplies IMBA's own weights
     min_snr_gamma: float = 0.0
 
-    def kwargs(self) -> dict:
-        """Keyword arguments of `TrainingLoss` (the run adds the patch size and how ranks share the loss's state)."""
-        return {"kind": self.KIND, **dataclasses.asdict(self)}
+    @abc.abstractmethod
+    def build(self, patch_size: int = 2, same_passes_on_every_rank: bool = False, num_processes: int = 1):
+        """This kind's training loss (an `imba.training_loss.TrainingLoss`; imports torch) for a DiT of `patch_size`
+        trained by `num_processes` processes; `same_passes_on_every_rank`: every rank runs the same forward passes
+        whatever its batch draws (DeepSpeed ZeRO-3). A kind takes what it needs of these."""
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -45,10 +47,8 @@ class LossConfig(abc.ABC):
 
     def check(self) -> None:
         """The loss's own checks (`LossSettingError`), as a one-line ValueError naming the config key."""
-        from imba.training_loss import TrainingLoss  # torch: only once a config is checked, not for --help
-
         try:
-            TrainingLoss(**self.kwargs())
+            self.build()  # torch: only once a config is checked, not for --help
         except LossSettingError as err:
             raise ValueError(f"config key 'loss.{err.setting}' {err.problem}") from err
 
@@ -61,6 +61,11 @@ class PlainLoss(LossConfig):
     KIND: ClassVar[str] = "plain"
     lam: float = 0.9  # caption dropout p = 1 - lam
 
+    def build(self, patch_size: int = 2, same_passes_on_every_rank: bool = False, num_processes: int = 1):
+        from imba.training_loss import PlainTrainingLoss
+
+        return PlainTrainingLoss(**dataclasses.asdict(self))
+
     def describe(self) -> str:
         return f"plain diffusion MSE with caption dropout {1 - self.lam:g}{self.snr()}"
 
@@ -70,7 +75,7 @@ class ImbaLoss(LossConfig):
     """The IMBA loss at token level, the paper's form (docs/method.md)."""
 
     KIND: ClassVar[str] = "imba"
-    LEVEL: ClassVar[str] = "token level"
+    GRANULARITY: ClassVar[str] = "token"  # one weight per patch token (IMBALoss's granularity)
     CHOICES: ClassVar[dict] = {"distance": DISTANCES, "reference": REFERENCES, "normalize": NORMALIZATIONS,
                                "estimator": ESTIMATORS}
     gamma: float = 0.8
@@ -82,8 +87,18 @@ class ImbaLoss(LossConfig):
     # the same gradient, caption dropout 1 - lam + no-grad uncond pass on the kept samples (≈ 1.3×)
     estimator: str = "literal"
 
+    def build(self, patch_size: int = 2, same_passes_on_every_rank: bool = False, num_processes: int = 1):
+        import torch
+
+        from imba.training_loss import ImbaTrainingLoss
+
+        # normalize=timestep_mean: the running means cover the global batch, so every rank holds the same state
+        reduce = torch.distributed.all_reduce if num_processes > 1 else None
+        return ImbaTrainingLoss(**dataclasses.asdict(self), granularity=self.GRANULARITY, patch_size=patch_size,
+                                same_passes_on_every_rank=same_passes_on_every_rank, timestep_reduce=reduce)
+
     def describe(self) -> str:
-        return (f"IMBA ({self.LEVEL}): γ = {self.gamma:g}, λ = {self.lam:g}, distance {self.distance}, reference "
+        return (f"IMBA ({self.GRANULARITY} level): γ = {self.gamma:g}, λ = {self.lam:g}, distance {self.distance}, reference "
                 f"{self.reference}, normalisation {self.normalize}, estimator {self.estimator}{self.snr()}")
 
 
@@ -92,7 +107,7 @@ class ImbaSampleLoss(ImbaLoss):
     """The IMBA loss at sample level: one weight per sample instead of per token."""
 
     KIND: ClassVar[str] = "imba_sample"
-    LEVEL: ClassVar[str] = "sample level"
+    GRANULARITY: ClassVar[str] = "sample"
 
 
 LOSS_SETTINGS: dict[str, type[LossConfig]] = {kind.KIND: kind for kind in (PlainLoss, ImbaLoss, ImbaSampleLoss)}

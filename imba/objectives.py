@@ -31,7 +31,7 @@ class NoisedBatch:
     timesteps: torch.Tensor  # (B,), what the DiT receives as `timestep`
     target: torch.Tensor  # regression target, (B, C, H, W)
     # (B,) signal-to-noise ratio ᾱ_t / (1 − ᾱ_t) of each row's noise level where the target is the noise ε (what
-    # min-SNR weighting reads, `TrainingLoss(min_snr_gamma=)`); None for other targets
+    # min-SNR weighting reads, `loss.min_snr_gamma`); None for other targets
     snr: torch.Tensor | None = None
 
 

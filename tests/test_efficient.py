@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from imba import IMBALoss
 from imba.objectives import build_objective
-from imba.training_loss import TrainingLoss
+from imba.loss_settings import LOSS_SETTINGS
+from imba.training_loss import ImbaTrainingLoss, PlainTrainingLoss
 from models.dit import build_transformer, predict
 
 B = 4
@@ -58,12 +59,12 @@ def gradient(dit, loss):
 def test_efficient_gradient_is_the_literal_gradient_in_expectation(setup, kind, reference, normalize):
     dit, noised, cond, null = setup
     lam = 0.7  # not 0.9, so every mask has a probability well above float64 rounding
-    kwargs = dict(kind=kind, gamma=0.8, lam=lam, reference=reference, normalize=normalize)
+    settings = dict(gamma=0.8, lam=lam, reference=reference, normalize=normalize)
     predict_fn = lambda *a: predict(dit, *a)  # noqa: E731
-    literal_loss, _ = TrainingLoss(**kwargs, estimator="literal")(predict_fn, noised, cond, null)
+    literal_loss, _ = LOSS_SETTINGS[kind](**settings, estimator="literal").build()(predict_fn, noised, cond, null)
     literal = gradient(dit, literal_loss)
 
-    efficient = TrainingLoss(**kwargs, estimator="efficient")
+    efficient = LOSS_SETTINGS[kind](**settings, estimator="efficient").build()
     expected_grad = torch.zeros_like(literal)
     expected_loss = 0.0
     for drop in all_masks(B):
@@ -122,13 +123,13 @@ def test_efficient_runs_one_grad_pass_and_a_no_grad_pass_of_the_kept_rows(setup)
     passes = []
     counting_predict = counting(dit, passes)
     drop = torch.tensor([True, False, True, False])
-    TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
+    ImbaTrainingLoss(estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
     assert passes == [(4, True), (2, False)]
     passes.clear()
-    TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=torch.ones(4, dtype=torch.bool))
+    ImbaTrainingLoss(estimator="efficient")(counting_predict, noised, cond, null, drop=torch.ones(4, dtype=torch.bool))
     assert passes == [(4, True)]  # nothing kept: no unconditional pass needed
     passes.clear()
-    TrainingLoss("imba", estimator="literal")(counting_predict, noised, cond, null)
+    ImbaTrainingLoss(estimator="literal")(counting_predict, noised, cond, null)
     assert passes == [(8, True)]
 
 
@@ -137,12 +138,12 @@ def test_same_passes_on_every_rank_run_the_no_grad_pass_on_every_row_and_give_th
     dit, noised, cond, null = setup
     passes = []
     counting_predict = counting(dit, passes)
-    uniform = TrainingLoss("imba", estimator="efficient", same_passes_on_every_rank=True)
+    uniform = ImbaTrainingLoss(estimator="efficient", same_passes_on_every_rank=True)
     for drop in (torch.tensor([True, False, True, False]), torch.ones(4, dtype=torch.bool)):
         passes.clear()
         loss, _ = uniform(counting_predict, noised, cond, null, drop=drop)
         assert passes == [(4, True), (4, False)]
-        expected, _ = TrainingLoss("imba", estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
+        expected, _ = ImbaTrainingLoss(estimator="efficient")(counting_predict, noised, cond, null, drop=drop)
         assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
 
 
@@ -171,22 +172,22 @@ def test_the_efficient_loss_reads_the_device_once_for_its_kept_rows_and_never_wi
     drop = torch.tensor([True, False, True, False])
     run = lambda loss_fn: loss_fn(lambda *a: predict(dit, *a), noised, cond, null, drop=drop)  # noqa: E731
     with HostReads() as plain:
-        run(TrainingLoss("plain"))
+        run(PlainTrainingLoss())
     assert plain.ops == []  # the DiT and the plain loss read nothing on the host
     with HostReads() as kept_rows:
-        run(TrainingLoss("imba", estimator="efficient"))
+        run(ImbaTrainingLoss(estimator="efficient"))
     assert kept_rows.ops == ["nonzero.default"]  # which rows the no-grad pass runs on: once, not again
     with HostReads() as every_row:
-        loss, stats = run(TrainingLoss("imba", estimator="efficient", same_passes_on_every_rank=True))
+        loss, stats = run(ImbaTrainingLoss(estimator="efficient", same_passes_on_every_rank=True))
     assert every_row.ops == []
-    expected, expected_stats = run(TrainingLoss("imba", estimator="efficient"))
+    expected, expected_stats = run(ImbaTrainingLoss(estimator="efficient"))
     assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
     assert torch.allclose(stats["loss_cond_plain"], expected_stats["loss_cond_plain"], rtol=1e-12, atol=0)
 
 
 def test_the_plain_conditional_error_is_the_mean_over_the_kept_rows(setup):
     dit, noised, cond, null = setup
-    loss_fn = TrainingLoss("imba", estimator="efficient")
+    loss_fn = ImbaTrainingLoss(estimator="efficient")
     for drop in (torch.tensor([True, False, True, False]), torch.tensor([False, False, False, True])):
         _, stats = loss_fn(lambda *a: predict(dit, *a), noised, cond, null, drop=drop)
         per_row = stats.tensors["loss_cond_per_sample"]  # NaN on the dropped rows

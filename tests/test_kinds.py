@@ -6,12 +6,14 @@ the syntax tree of every module, and fails on a planted branch."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# an attribute path's last names -> the modules that define those kinds, the only ones that may branch on them
+# an attribute path's last names -> the modules that define those kinds, the only ones that may branch on them (the
+# longest match decides); a loss kind is a class that builds its own loss, so no module branches on its name
 OWNERS = {
-    ("loss", "kind"): {"imba/training_loss.py", "imba/loss_settings.py"},
+    ("kind",): set(),
     ("objective", "kind"): {"imba/objectives.py", "imba/objective_settings.py"},
     ("balance",): {"data/balance.py", "data/online_balance.py", "data/settings.py"},
     ("balance", "KIND"): {"data/balance.py", "data/online_balance.py", "data/settings.py"},
@@ -19,9 +21,10 @@ OWNERS = {
 }
 
 
+@functools.cache
 def _kind_classes() -> dict[str, set[str]]:
-    """Every registered kind's class name -> the modules that may test for it (`isinstance`): where it is defined
-    and where its registry is."""
+    """Every registered kind's class name, and the class of the training loss a loss kind builds -> the modules
+    that may test for it (`isinstance`): where it is defined and where its registry is."""
     import inspect
 
     from data.settings import BALANCE_RULES, SOURCE_KINDS
@@ -34,6 +37,9 @@ def _kind_classes() -> dict[str, set[str]]:
         for kind in registry.values():
             defined = str(Path(inspect.getfile(kind)).resolve().relative_to(REPO))
             owners[kind.__name__] = {defined, home}
+    for kind in LOSS_SETTINGS.values():
+        loss = type(kind().build())
+        owners[loss.__name__] = {str(Path(inspect.getfile(loss)).resolve().relative_to(REPO))}
     return owners
 
 
@@ -75,11 +81,10 @@ def kind_branches(source: str, module: str) -> list[str]:
             continue
         for side in sides:
             path = _path(side)
-            for tail, owners in OWNERS.items():
-                # an attribute (cfg.loss.kind, rule.KIND), not a local name
-                if len(path) > len(tail) and path[-len(tail):] == tail and module not in owners:
-                    found.append(f"{module}:{node.lineno} {'.'.join(path)}")
-                    break
+            # an attribute (cfg.loss.kind, rule.KIND), not a local name
+            tails = [tail for tail in OWNERS if len(path) > len(tail) and path[-len(tail):] == tail]
+            if tails and module not in OWNERS[max(tails, key=len)]:
+                found.append(f"{module}:{node.lineno} {'.'.join(path)}")
     return found
 
 
@@ -102,11 +107,14 @@ def test_a_planted_branch_on_a_kind_is_found():
         ("data/draw_plan.py", "reads = not isinstance(balance, NoBalance)\n", 1),
         ("imba/training/inputs.py", "own = isinstance(kind, (ShardsSource, data.sources.SyntheticSource))\n", 2),
         ("imba/training/model_card.py", 'named = [s for s in d.sources if s.KIND == "synthetic"]\n', 1),
+        ("imba/training_loss.py", 'x = self.kind == "plain"\n', 1),  # a loss kind's own behaviour is its class's
+        ("imba/loss_settings.py", 'x = cfg.loss.kind == "plain"\n', 1),
+        ("imba/training/step.py", "x = isinstance(self.loss_fn, ImbaTrainingLoss)\n", 1),
+        ("imba/training/plan.py", 'x = cfg.loss.KIND in ("imba", "imba_sample")\n', 1),
     ]
     for module, line, branches in planted:
         assert len(kind_branches(line, module)) == branches, line
     # and a kind's own module may
-    assert kind_branches('x = self.kind == "plain"\n', "imba/training_loss.py") == []
-    assert kind_branches('x = cfg.loss.kind == "plain"\n', "imba/loss_settings.py") == []
+    assert kind_branches('x = cfg.objective.kind == "ddpm"\n', "imba/objective_settings.py") == []
     assert kind_branches("x = isinstance(self.balance, NoBalance)\n", "data/settings.py") == []
     assert kind_branches("x = isinstance(value, PlainLoss)\n", "imba/loss_settings.py") == []

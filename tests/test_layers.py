@@ -160,8 +160,8 @@ def test_the_names_imba_and_data_export_lazily_resolve_to_their_modules():
     import importlib
 
     public = {
-        "imba": ["IMBALoss", "LossStats", "NullCaption", "TimestepMean", "TrainingLoss", "patchify", "plain_loss",
-                 "token_distance"],
+        "imba": ["IMBALoss", "ImbaTrainingLoss", "LossStats", "NullCaption", "PlainTrainingLoss", "TimestepMean",
+                 "TrainingLoss", "patchify", "plain_loss", "token_distance"],
         "data": ["assign_buckets", "bucket_sizes", "nearest_bucket", "resize_to_bucket", "BucketBatchSampler",
                  "IndexedBatchSampler", "IndexedLoader", "IndexedShards", "ShardIndex", "batches_per_epoch",
                  "load_or_build_index", "make_indexed_loader", "IMAGE_EXTENSIONS", "expand_urls", "image_to_tensor",

@@ -240,7 +240,8 @@ def test_timestep_mean_needs_the_timesteps():
 
 def test_training_loss_carries_the_timestep_means_in_its_state():
     from imba.objectives import NoisedBatch
-    from imba.training_loss import TrainingLoss
+    from imba.loss_settings import ImbaLoss
+    from imba.training_loss import ImbaTrainingLoss, PlainTrainingLoss
 
     g = torch.Generator().manual_seed(2)
     noised = NoisedBatch(noisy=torch.randn(4, 2, 4, 4, generator=g), timesteps=torch.tensor([5.0, 250, 600, 999]),
@@ -252,15 +253,20 @@ def test_training_loss_carries_the_timestep_means_in_its_state():
     def predict(noisy, timesteps, embeds, mask):  # any function of its inputs will do
         return noisy * weight.squeeze(-1).squeeze(-1).sum(1).view(1, 2, 1, 1) + embeds.mean(dim=(1, 2)).view(-1, 1, 1, 1)
 
-    loss = TrainingLoss("imba", patch_size=2, normalize="timestep_mean")
+    loss = ImbaLoss(normalize="timestep_mean").build(patch_size=2)  # as the run builds it
     assert loss.state_dict()["timestep_mean"]["seen"].sum() == 0
     loss(predict, noised, cond, null)
     state = loss.state_dict()["timestep_mean"]
     assert state["seen"].nonzero().flatten().tolist() == [0, 2, 6, 9]
-    restored = TrainingLoss("imba", patch_size=2, normalize="timestep_mean")
+    restored = ImbaTrainingLoss(patch_size=2, normalize="timestep_mean")
     restored.load_state_dict(loss.state_dict())
+    for name, saved in loss.state_dict()["timestep_mean"].items():
+        assert torch.equal(restored.state_dict()["timestep_mean"][name], saved), name
     assert torch.equal(restored(predict, noised, cond, null)[0], loss(predict, noised, cond, null)[0])
-    assert TrainingLoss("imba").state_dict() == {} and TrainingLoss("plain", normalize="timestep_mean").state_dict() == {}
+    assert ImbaTrainingLoss().state_dict() == {} and PlainTrainingLoss().state_dict() == {}
+    plain = PlainTrainingLoss()
+    plain.load_state_dict(loss.state_dict())  # another kind's checkpoint: the plain loss has no state to take
+    assert plain.state_dict() == {}
 
 
 def test_weighted_plain_loss_scales_each_samples_mse():

@@ -476,7 +476,7 @@ def test_a_step_that_writes_the_null_caption_back_into_captions_encoded_once_is_
 
 def test_min_snr_weights_each_sample_by_min_snr_gamma_over_snr_on_top_of_its_weights():
     from imba.objectives import DDPMEpsilon, NoisedBatch
-    from imba.training_loss import TrainingLoss, min_snr_weights
+    from imba.training_loss import ImbaTrainingLoss, PlainTrainingLoss, min_snr_weights
 
     torch.manual_seed(0)
     latents = torch.randn(6, 4, 4, 4)
@@ -495,9 +495,9 @@ def test_min_snr_weights_each_sample_by_min_snr_gamma_over_snr_on_top_of_its_wei
     null = (torch.zeros(6, 3, 8), torch.ones(6, 3, dtype=torch.long))
     keep = torch.zeros(6, dtype=torch.bool)
     extra = torch.tensor([1.0, 2.0, 1.0, 1.0, 2.0, 1.0])
-    for kind in ("plain", "imba"):
-        plain = TrainingLoss(kind=kind, estimator="efficient", lam=1.0)
-        snr = TrainingLoss(kind=kind, estimator="efficient", lam=1.0, min_snr_gamma=5.0)
+    for make in (PlainTrainingLoss, lambda **k: ImbaTrainingLoss(estimator="efficient", **k)):
+        plain = make(lam=1.0)
+        snr = make(lam=1.0, min_snr_gamma=5.0)
         # the same as giving min(SNR, γ) / SNR as sample weights, and multiplied with weights given
         expected, _ = plain(predict, noised, cond, null, drop=keep, sample_weights=weights * extra)
         got, _ = snr(predict, noised, cond, null, drop=keep, sample_weights=extra)
@@ -505,9 +505,10 @@ def test_min_snr_weights_each_sample_by_min_snr_gamma_over_snr_on_top_of_its_wei
         assert not torch.allclose(got, plain(predict, noised, cond, null, drop=keep, sample_weights=extra)[0])
     flow = NoisedBatch(noisy=latents, timesteps=torch.rand(6) * 1000, target=latents)  # no SNR: not ε-prediction
     with pytest.raises(ValueError, match="min_snr_gamma needs the batch's SNR"):
-        TrainingLoss(kind="plain", min_snr_gamma=5.0)(predict, flow, cond, null)
-    with pytest.raises(ValueError, match="min_snr_gamma must be >= 0"):
-        TrainingLoss(min_snr_gamma=-1.0)
+        PlainTrainingLoss(min_snr_gamma=5.0)(predict, flow, cond, null)
+    for make in (PlainTrainingLoss, ImbaTrainingLoss):
+        with pytest.raises(ValueError, match="min_snr_gamma must be >= 0"):
+            make(min_snr_gamma=-1.0)
 
 
 def test_min_snr_is_refused_with_a_flow_objective_in_one_line():

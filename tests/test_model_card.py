@@ -63,7 +63,7 @@ def test_the_card_reads_each_kinds_own_line_and_a_kind_without_one_fails_loudly(
         .count("balanced online by the IMBA distance (the temperature prior, alpha 0.5, 4 rarity groups each moved "
                "within 4x of it, every 7 steps)") == 1
     # a kind added to the choices but not to the describing line: an error, not another kind's words
-    with pytest.raises(TypeError, match="abstract method describe"):  # a kind registered without its line
+    with pytest.raises(TypeError, match="abstract methods build, describe"):  # a kind without its line or loss
         type("NewLoss", (LossConfig,), {"KIND": "imba_new"})()
     assert [kind().describe() for kind in OBJECTIVE_SETTINGS.values()] == ["rectified flow (velocity prediction)",
                                                                           "DDPM ε-prediction"]

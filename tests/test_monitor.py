@@ -12,7 +12,7 @@ from imba.monitor import BucketMonitor
 from imba.monitor_plot import main as plot_main
 from imba.monitor_plot import read_monitor
 from imba.training.metrics import JsonlLogger, MetricWindow
-from imba.training_loss import TrainingLoss
+from imba.training_loss import PlainTrainingLoss
 
 
 def test_window_averages_scalars_skips_vectors_and_clears():
@@ -77,7 +77,7 @@ def test_loss_stats_feed_the_monitor_with_the_rows_they_define():
     noised = type("N", (), {"noisy": pc, "timesteps": torch.zeros(3), "target": t})()
     cond = (torch.ones(3, 2, 5), torch.ones(3, 2))
     null = (torch.zeros(3, 2, 5), torch.ones(3, 2))
-    _, stats = TrainingLoss("plain")(lambda x, *_: x, noised, cond, null, drop=drop)
+    _, stats = PlainTrainingLoss()(lambda x, *_: x, noised, cond, null, drop=drop)
     per = stats["loss_cond_per_sample"]
     assert torch.isnan(per[1]) and torch.allclose(per[[0, 2]], (pc - t).pow(2).flatten(1).mean(1)[[0, 2]])
 

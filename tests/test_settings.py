@@ -66,14 +66,10 @@ def test_the_beta_schedules_are_those_both_diffusers_schedulers_build():
 def test_the_keywords_a_section_hands_over_are_its_components_parameters():
     from data.loaders import build_loader
     from data.precompute_settings import PrecomputeSettings
-    from imba.training_loss import TrainingLoss
     from models.encoders import FrozenEncoders
 
     cfg = Config()
     precompute_fields = {f.name for f in dataclasses.fields(PrecomputeSettings)}
-    for kind in LOSS_SETTINGS.values():  # every kind's settings, and its name
-        assert set(kind().kwargs()) <= set(inspect.signature(TrainingLoss).parameters)
-        assert TrainingLoss(**kind().kwargs()).kind == kind.KIND
     for kind in OBJECTIVE_SETTINGS.values():  # each objective kind builds its objective from its settings
         built = kind().build()
         assert type(built) is OBJECTIVES[kind.KIND] and built.name == kind.KIND
@@ -83,4 +79,33 @@ def test_the_keywords_a_section_hands_over_are_its_components_parameters():
     assert set(cfg.model.encoders()) <= precompute_fields
     assert set(cfg.data.decoding()) <= set(inspect.signature(build_loader).parameters)
     assert set(cfg.data.decoding()) <= precompute_fields
-    TrainingLoss(**cfg.loss.kwargs())
+
+
+def test_each_loss_kind_builds_its_own_loss_with_every_setting_it_reads():
+    import torch
+
+    from imba.loss import IMBALoss
+    from imba.loss_settings import LossConfig
+    from imba.training_loss import ImbaTrainingLoss, PlainTrainingLoss, TrainingLoss
+
+    for kind in LOSS_SETTINGS.values():  # every kind builds a loss the trainer can call
+        assert isinstance(kind().build(), TrainingLoss)
+    with pytest.raises(TypeError, match="abstract method build"):  # a kind that does not say which loss it is
+        type("NewLoss", (LossConfig,), {"KIND": "new", "describe": lambda self: "new"})()
+    plain = load_config(["loss=plain", "loss.lam=0.7", "objective=ddpm", "loss.min_snr_gamma=3"]).loss.build()
+    assert type(plain) is PlainTrainingLoss
+    assert (plain.lam, plain.min_snr_gamma, plain.drop_rate, plain.state_dict()) == (0.7, 3.0, pytest.approx(0.3), {})
+    for kind, granularity in (("imba", "token"), ("imba_sample", "sample")):
+        cfg = load_config([f"loss={kind}", "loss.gamma=0.5", "loss.lam=0.7", "loss.distance=l1", "loss.reference=cond",
+                           "loss.normalize=timestep_mean", "loss.estimator=efficient", "objective=ddpm",
+                           "loss.min_snr_gamma=2"])
+        loss = cfg.loss.build(patch_size=4, same_passes_on_every_rank=True)
+        assert type(loss) is ImbaTrainingLoss
+        assert loss.imba == IMBALoss(gamma=0.5, lam=0.7, patch_size=4, granularity=granularity, distance="l1",
+                                     reference="cond", normalize="timestep_mean")
+        assert (loss.estimator, loss.min_snr_gamma, loss.same_passes_on_every_rank) == ("efficient", 2.0, True)
+        assert loss.drop_rate == pytest.approx(0.3) and "timestep_mean" in loss.state_dict()
+        # the running means are summed over the processes of a run of several only
+        assert loss.imba.timestep_reduce is None
+        assert cfg.loss.build(num_processes=2).imba.timestep_reduce is torch.distributed.all_reduce
+    assert LOSS_SETTINGS["imba"]().build().drop_rate == 0.0  # literal: every row sees both captions

@@ -5,7 +5,7 @@ import torch
 
 from imba.training.config import load_config
 from imba.objectives import RectifiedFlow
-from imba.training_loss import TrainingLoss
+from imba.training_loss import ImbaTrainingLoss
 from models.dit import apply_speed_settings, build_transformer, predict
 
 
@@ -26,7 +26,7 @@ def loss_and_grads(dit, autocast_dtype=None):
     null = (torch.randn(1, 6, 16, generator=g).expand(4, -1, -1), null_mask)
     dit.zero_grad()
     with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        loss, _ = TrainingLoss("imba")(lambda *a: predict(dit, *a), noised, cond, null)
+        loss, _ = ImbaTrainingLoss()(lambda *a: predict(dit, *a), noised, cond, null)
     loss.backward()
     return loss.detach(), torch.cat([p.grad.flatten() for p in dit.parameters()])
 

@@ -150,10 +150,9 @@ def fine_tune_source(cfg: Config) -> str:
 
 def build_training_loss(cfg: Config, patch_size: int, same_passes_on_every_rank: bool,
                         num_processes: int = 1) -> TrainingLoss:
-    # normalize=timestep_mean: the running means cover the global batch, so every rank holds the same state
-    reduce = torch.distributed.all_reduce if num_processes > 1 else None
-    return TrainingLoss(**cfg.loss.kwargs(), patch_size=patch_size,
-                        same_passes_on_every_rank=same_passes_on_every_rank, timestep_reduce=reduce)
+    """The run's training loss, as its kind's settings build it (`LossConfig.build`)."""
+    return cfg.loss.build(patch_size=patch_size, same_passes_on_every_rank=same_passes_on_every_rank,
+                          num_processes=num_processes)
 
 
 def adamw_implementation(parameters, device=None) -> dict[str, bool]:

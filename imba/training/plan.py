@@ -169,8 +169,8 @@ def _text_width(m) -> int:
 
 
 def kept_rows(cfg: Config, batch: int) -> int:
-    """Rows that keep their caption in a batch, in expectation: B − round((1 − λ)·B)."""
-    return batch - round((1 - cfg.loss.kwargs().get("lam", 1.0)) * batch)
+    """Rows that keep their caption in a batch, in expectation: B − round(p·B) for the loss's dropout rate p."""
+    return batch - round(cfg.loss.build().drop_rate * batch)
 
 
 def _inputs(cfg: Config, sizes: EncoderSizes, batch: int, dtype: torch.dtype):
