@@ -279,3 +279,15 @@ def test_remote_loader_reads_each_design_and_counts_its_downloads(tmp_path):
     assert size < rows["small cache, window 1"]["mb_per_sample"] < rows["small cache, global shuffle"]["mb_per_sample"]
     assert rows["small cache, window 1"]["shuffle_quality"] < rows["small cache, global shuffle"]["shuffle_quality"]
     assert all(r["samples_per_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("study", ["default_balance_seeds", "default_balance"])
+def test_a_default_run_study_writes_its_committed_table_again_from_its_record(tmp_path, monkeypatch, capsys, study):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import default_balance
+
+    (tmp_path / "results.json").write_bytes((REPO / "bench" / study / "results.json").read_bytes())
+    assert default_balance.main(["--report", "--out", str(tmp_path)]) == 0
+    committed = (REPO / "bench" / study / "results.md").read_text()
+    assert (tmp_path / "results.md").read_text() == committed and capsys.readouterr().out == committed
+    assert not (tmp_path / "runs").exists()  # nothing trained
