@@ -22,8 +22,8 @@ _SNR_RANGE = {"min_snr_gamma": ">= 0 (0 = off)"}
 
 @dataclass
 class LossConfig(abc.ABC):
-    """The settings every loss kind has; a kind is a subclass with its KIND, its own settings and its line (a kind
-    without its own `describe` cannot be made: TypeError)."""
+    """The settings every loss kind has; a kind is a subclass with its KIND, its own settings, the loss it builds
+    and its line (a kind without its own `build` or `describe` cannot be made: TypeError)."""
 
     KIND: ClassVar[str] = ""
     CHOICES: ClassVar[dict] = {}
