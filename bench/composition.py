@@ -121,7 +121,7 @@ SAMPLING_STEPS = 10
 ORACLE = REPO / "bench" / "composition_oracle.pt"  # the judge's weights; its report: the same name with .json
 ORACLE_B = REPO / "bench" / "composition_oracle_b.pt"  # a second judge (train_oracle(seed=1)): its reading beside
 # the first one's tells the judge's own uncertainty
-PROTOCOL = 2  # part of a run's settings: a run of another protocol (bench/README.md#the-protocol) is not reused
+PROTOCOL = 2  # part of a run's settings: a run of another protocol (bench/history.md) is not reused
 
 
 def inverse_frequency_weights(pool_pairs: list[tuple[int, int]]) -> dict[tuple[int, int], float]:

@@ -1,5 +1,5 @@
 """The outside audit's numbers, recomputed from the runs recorded under the benchmark's first protocol
-(bench/README.md, "The protocol"):
+(bench/history.md, "The composition benchmark's first protocol"):
 
     python bench/composition_audit.py            # reads bench/composition_results, composition_levers, composition_reweight
 
