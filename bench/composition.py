@@ -74,9 +74,9 @@ prompt also fails when its partner fails). Reported per world and per bucket of 
 tail by training frequency, held-out), per concept and per pair against its exposure (objects trained on).
 
 The benchmark's parts: this file runs it (`run_one`: one world, variant and seed; the command line);
-composition_variants.py holds the variants as data and the plan of each mode; composition_report.py the statistics,
-tables and figures; composition_scenes.py the worlds, streams and judge; composition_diagnostics.py the
-representation diagnostics.
+composition_variants.py holds the variants as data and the plan of each mode; composition_report.py the tables,
+figures and the study's record; seed_stats.py the statistics over seeds; composition_scenes.py the worlds, streams
+and judge; composition_diagnostics.py the representation diagnostics.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The composition benchmark's report: its statistics over seeds (means, 95 % intervals, the fraction of the stream
-controls' gap a variant closes at equal steps and at equal compute), its tables (per world, per bucket, per exposure
-bin, failure kinds, the levers against the IMBA forms) and its figures, from the runs `composition.run_one`
-recorded."""
+"""The composition benchmark's report: what it reads over seeds (means with their 95 % intervals from
+`seed_stats`, the fraction of the stream controls' gap a variant closes at equal steps and at equal compute), its
+tables (per world, per bucket, per exposure bin, failure kinds, the levers against the IMBA forms), its figures, and
+the study's record (results.json.gz) they are all written from again by `composition.py --report`."""
 
 from __future__ import annotations
 
