@@ -112,15 +112,20 @@ def test_the_1b_plan_with_checkpointing_under_zero2_on_fake_tensors():
 
 
 @pytest.mark.slow
-def test_the_1b_batch_table(capsys):
+def test_the_1b_batch_table(capsys, monkeypatch):
     """The whole table of configs/1b_256.yaml as the command prints it (eight traces of the 1B step on fake
     tensors, about a minute): the EMA whole on DDP and ZeRO-2 ranks and sliced on ZeRO-3, DDP's buckets, fp32
-    residuals under autocast, and checkpointing fitting more samples than no checkpointing in every mode."""
+    residuals under autocast, and checkpointing fitting more samples than no checkpointing in every mode, read
+    from the plans the command printed (traced once)."""
+    printed, plan_run = [], plan.plan_run
+    monkeypatch.setattr(plan, "plan_run", lambda *args, **kwargs: printed.append(plan_run(*args, **kwargs))
+                        or printed[-1])
     assert plan.main(["configs/1b_256.yaml", "--gpu-memory", "80GiB", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "largest micro-batch" in out and "| zero3 | on |" in out and "rank 0" in out, out
-    cfg = load_config(["--config", "configs/1b_256.yaml"])
-    plans = {(p.mode, p.checkpointing): p for p in plan.plan_run(cfg, 8, plan.encoder_sizes(cfg))}
+    (plans,) = printed
+    plans = {(p.mode, p.checkpointing): p for p in plans}
+    assert set(plans) == {(mode, checkpointing) for mode in plan.MODES for checkpointing in (False, True)}
     assert plans["ddp", False].states["ema"] == plans["zero2", False].states["ema"] == 4 * PSI_1B
     assert plans["zero3", False].states["ema"] == 4 * PSI_1B / 8
     assert plans["ddp", False].states["buckets"] == 4 * PSI_1B
