@@ -582,6 +582,9 @@ def test_deepspeeds_first_compile_on_the_cpu_is_announced_until_its_op_is_built(
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     assert deepspeed_build_notice() is None  # not a DeepSpeed launch
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert deepspeed_build_notice() is None  # accelerate drops DeepSpeed then (said by make_accelerator)
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
     assert deepspeed_build_notice() == (f"DeepSpeed: compiling its C++ op for collectives on the CPU "
                                         f"({DEEPSPEED_CPU_OP}), once on this machine: a few minutes, kept in {tmp_path}")
     (tmp_path / DEEPSPEED_CPU_OP).mkdir()

@@ -41,7 +41,8 @@ def deepspeed_build_notice() -> str | None:
     """The line announcing DeepSpeed's compile of its CPU collectives' op, when a DeepSpeed launch on the CPU has
     not built it yet on this machine (torch's extension folder: TORCH_EXTENSIONS_DIR, else its default), else
     None: the compile takes minutes with nothing on the screen."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true" or torch.cuda.is_available():
+    if (os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true" or torch.cuda.is_available()
+            or os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"):  # accelerate then drops DeepSpeed
         return None
     from torch.utils.cpp_extension import get_default_build_root
 
