@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from doc_snippets import doc_snippets
+from test_dropin import fresh_accelerate_state  # noqa: F401 (a fixture: a fresh accelerate state per loop)
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "loss.md"
@@ -36,19 +37,6 @@ CAPTIONS = ["a red circle", "two blue squares", "a green star", "an orange ring"
 
 def snippets():
     return doc_snippets(PAGE)
-
-
-def reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 def tiny_t5():
