@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imba.loss_settings import ImbaLoss, PlainLoss  # noqa: E402
 from imba.objectives import RectifiedFlow  # noqa: E402
+from imba.training.build import build_optimizer  # noqa: E402
+from imba.training.config import load_config  # noqa: E402
 from models.dit import build_transformer, count_parameters, predict  # noqa: E402
 
 MODES = {
@@ -37,7 +39,7 @@ MODES = {
 def make_step(args, mode: str):
     torch.manual_seed(0)
     model = build_transformer(args.preset, args.latent_size, args.caption_dim)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer, schedule = build_optimizer(load_config([]), model.parameters(), num_processes=1)  # the trainer's
     loss_fn = MODES[mode].build()
     objective = RectifiedFlow()
     g = torch.Generator().manual_seed(1)
@@ -55,6 +57,7 @@ def make_step(args, mode: str):
         loss, _ = loss_fn(lambda *a: predict(model, *a), noised, cond, null, generator=g)
         loss.backward()
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
