@@ -582,10 +582,6 @@ def as_data(value):
     return value
 
 
-def to_dict(cfg: Config) -> dict:
-    return as_data(cfg)
-
-
 def flat_settings(cfg: Config) -> dict:
     """Every setting under its dotted key ({"section.key": value}; a kind setting's as "section.key.kind", ...)."""
     flat = {}
@@ -597,7 +593,7 @@ def flat_settings(cfg: Config) -> dict:
             else:
                 flat[f"{prefix}{key}"] = value
 
-    add("", to_dict(cfg))
+    add("", as_data(cfg))
     return flat
 
 
@@ -608,7 +604,7 @@ def flat_dict(cfg: Config) -> dict:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(as_data(cfg), sort_keys=False)
 
 
 def save_config(cfg: Config, path: Path) -> None:
