@@ -61,11 +61,13 @@ diffusers EMA 0.999 with its default warm-up, so 0.9955 at 2,000 steps) and nois
 comes from a generator of its own, so every stream's noise stays paired with plain's. Each step is the trainer's
 own (`imba.training.step.TrainStep`: loss, hooks, backward, clip, divergence guard, optimizer and schedule, on one
 CPU process of accelerate), with the trainer's EMA and its training loss; the online-balanced stream observes its
-rows as a hook, as `data.balance=imba` does in a run. Only the schedule is the benchmark's own: its warm-up starts at
-1/100 of the rate where the trainer's `optim.warmup_steps` starts at 0. Compute is counted per run:
-every forward row with gradient costs 3 units, every row of a no-grad pass 1, and a plain step of B rows 3B. The
-stream controls also train on to the longest length times the largest nominal cost of the other variants, so that
-their success can be read at any variant's counted compute by interpolation (--no-equal-compute turns this off).
+rows as a hook, as `data.balance=imba` does in a run. The optimiser and its schedule are the trainer's builder's
+(`imba.training.build.build_adamw`) with one setting of the benchmark's own, a warm-up head start of one step
+(`warmup_head_start=1`): step 1 trains at 1/100 of the rate, where the trainer's starts at 0. Compute is counted
+per run: every forward row with gradient costs 3 units, every row of a no-grad pass 1, and a plain step of B rows
+3B. The stream controls also train on to the longest length times the largest nominal cost of the other variants,
+so that their success can be read at any variant's counted compute by interpolation (--no-equal-compute turns this
+off).
 
 Evaluation at every length a run is evaluated at: for each of the 40 pairs, N two-object prompts with the pair on one
 side and a head pair on the other; N samples from the EMA weights (DPM-Solver++ 10 steps, classifier-free guidance
@@ -374,6 +376,7 @@ def run_one(job: dict) -> dict:
 
     from imba.eval.representations import attribute_nmi
     from imba.objectives import build_objective
+    from imba.training.build import build_adamw
     from imba.training.ema import make_ema
     from imba.training.guard import DivergenceGuard
     from imba.training.hooks import Hooks
@@ -409,8 +412,9 @@ def run_one(job: dict) -> dict:
     torch.manual_seed(seed)
     model = build_transformer("micro", TILE, text.dim, in_channels=3, patch_size=PATCH)
     ema = make_ema(model.parameters(), decay=0.999)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
+    # the trainer's builder; the warm-up's head start of one step is the protocol's own (module docstring)
+    optimizer, warmup = build_adamw(model.parameters(), lr=2e-3, weight_decay=0.0, warmup_steps=100,
+                                    warmup_head_start=1)
     accelerator = Accelerator(cpu=True)  # one process: the trainer's step on this machine's CPU
     model, optimizer, warmup = accelerator.prepare(model, optimizer, warmup)
     objective = build_objective(objective_of(variant))

@@ -290,11 +290,12 @@ def test_the_benchmark_trains_through_the_trainers_step(monkeypatch):
     step leaves the weights as initialised and the run's losses change."""
     from imba.training import guard, step
 
-    calls = []
+    calls, rates = [], []
     original = step.TrainStep.__call__
 
     def counted(self, n, batch, *args, **kwargs):
         calls.append((n, sorted(kwargs)))
+        rates.append(self.optimizer.param_groups[0]["lr"])
         return original(self, n, batch, *args, **kwargs)
 
     monkeypatch.setattr(step.TrainStep, "__call__", counted)
@@ -303,6 +304,8 @@ def test_the_benchmark_trains_through_the_trainers_step(monkeypatch):
                grid_dir=None, models_dir=None, seed=0, variant="inverse_freq")
     trained = composition.run_one(job)["results"][3]
     assert calls == [(n, ["generator", "left", "right"]) for n in (1, 2, 3)]  # the re-weighted loss's own inputs
+    # the trainer's builder with the protocol's warm-up, which its recorded studies ran: step n at n / 100 of 2e-3
+    assert rates == [2e-3 * (n / 100) for n in (1, 2, 3)]
     monkeypatch.setattr(guard.DivergenceGuard, "step_is_bad", lambda self, grad_norm=None: True)
     skipped = composition.run_one(job)["results"][3]
     assert skipped["final_loss"] != trained["final_loss"] and skipped["compute"] == trained["compute"] == 3

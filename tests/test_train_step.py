@@ -159,3 +159,24 @@ def test_adamw_on_the_cpu_steps_bitwise_as_torchs_default_adamw():
             optimizer.zero_grad()
         models.append(model)
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
+
+
+def test_one_warm_up_the_trainers_as_diffusers_and_the_benchmarks_a_step_ahead():
+    """`build_adamw`'s schedule, the trainer's and every benchmark's: without a head start it is diffusers'
+    constant_with_warmup (factors and state, so checkpoints and runs made with diffusers' are unchanged); with a
+    head start of 1 it is the composition benchmark's recorded warm-up, min(1, (step + 1) / warmup), to the last bit."""
+    from diffusers.optimization import get_constant_schedule_with_warmup
+
+    from imba.training.build import build_adamw
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for warmup in (0, 1, 3, 20, 100):
+        _, ours = build_adamw(params, lr=2e-3, weight_decay=0.0, warmup_steps=warmup)
+        theirs = get_constant_schedule_with_warmup(torch.optim.AdamW(params, lr=2e-3), warmup)
+        _, ahead = build_adamw(params, lr=2e-3, weight_decay=0.0, warmup_steps=warmup, warmup_head_start=1)
+        for step in range(warmup + 3):
+            assert ours.lr_lambdas[0](step) == theirs.lr_lambdas[0](step)
+            assert ahead.lr_lambdas[0](step) == (min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        assert ours.state_dict() == theirs.state_dict()
+    with pytest.raises(ValueError, match="warmup_head_start=-1"):
+        build_adamw(params, lr=2e-3, weight_decay=0.0, warmup_steps=3, warmup_head_start=-1)

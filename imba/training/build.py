@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers.optimization import get_scheduler
 from transformers import AutoTokenizer
 
 from data.precomputed import PrecomputedFeatures, find_manifest
@@ -163,24 +162,42 @@ def adamw_implementation(parameters, device=None) -> dict[str, bool]:
     return {"fused": True} if devices == {"cuda"} else {"foreach": True}
 
 
-def build_optimizer(cfg: Config, parameters, num_processes: int, device=None):
-    """AdamW over the parameters that train (LoRA: the adapters alone) and its constant-with-warm-up schedule.
-    `device`: where they will train (`accelerator.device`, when they are built on the CPU and moved by
+def build_adamw(parameters, *, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999),
+                eps: float = 1e-8, warmup_steps: int, warmup_head_start: int = 0, device=None):
+    """AdamW over the parameters that train (LoRA: the adapters alone) and its schedule: a linear warm-up over
+    `warmup_steps` schedule steps, then the constant rate `lr`. The one builder of the trainer and the benchmarks.
+
+    `warmup_head_start`: the schedule steps the warm-up counts as taken before the first step. 0, the trainer's
+    (diffusers' `constant_with_warmup`), trains step 1 at a rate of 0, so that its update moves no weight but starts
+    AdamW's moments; 1, the composition benchmark's, trains step 1 at lr / warmup_steps and reaches lr a step sooner.
+    `device`: where the parameters will train (`accelerator.device`, when they are built on the CPU and moved by
     `accelerator.prepare`); it picks AdamW's kernels (`adamw_implementation`)."""
-    o = cfg.optim
+    if warmup_head_start < 0:
+        raise ValueError(f"warmup_head_start={warmup_head_start} must be >= 0")
     trained = [p for p in parameters if p.requires_grad]
     kernels = adamw_implementation(trained, device)
-    optimizer = torch.optim.AdamW(trained, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                                  eps=o.adam_eps, **kernels)
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **kernels)
 
     def keep_kernels(opt) -> None:  # a checkpoint's param groups carry the kernels of the machine that wrote it
         for group in opt.param_groups:
             group.update({"fused": None, "foreach": None} | kernels)
 
     optimizer.register_load_state_dict_post_hook(keep_kernels)
-    # accelerate steps a prepared scheduler once per process per optimizer step, hence the × num_processes
-    lr_scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=o.warmup_steps * num_processes)
-    return optimizer, lr_scheduler
+
+    # a function, not a callable object: LambdaLR's state_dict then holds no state of it, as with diffusers' schedule
+    def factor(step: int) -> float:
+        counted = step + warmup_head_start
+        return float(counted) / float(max(1.0, warmup_steps)) if counted < warmup_steps else 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_optimizer(cfg: Config, parameters, num_processes: int, device=None):
+    """`build_adamw` with the run's `optim` settings. accelerate steps a prepared schedule once per process per
+    optimizer step, hence the warm-up of `optim.warmup_steps` × `num_processes` schedule steps."""
+    o = cfg.optim
+    return build_adamw(parameters, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                       eps=o.adam_eps, warmup_steps=o.warmup_steps * num_processes, device=device)
 
 
 def apply_optim_settings(cfg: Config, lr_scheduler, ema) -> None:
