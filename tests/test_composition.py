@@ -1,5 +1,5 @@
-"""The synthetic composition benchmark (bench/composition.py): its world, streams, judge, statistics and a smoke
-run."""
+"""The synthetic composition benchmark (bench/composition.py and its parts): its world, streams, judge, statistics
+and a smoke run."""
 
 import gzip
 import json
@@ -17,7 +17,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import composition  # noqa: E402
 import composition_report  # noqa: E402
+import composition_run  # noqa: E402
 import composition_variants  # noqa: E402
+import composition_weighting  # noqa: E402
 from composition_diagnostics import world_features  # noqa: E402
 from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHAPES, WORLDS, Oracle,  # noqa: E402
                                 PairWorld, ScenePool, TilePool, WordEncoder, balance_marginals, caption,
@@ -129,7 +131,7 @@ def test_probe_prompts_put_each_pair_on_both_sides_next_to_head_pairs():
 
 def test_inverse_frequency_weights_have_mean_one_and_favour_rare_concepts():
     pairs = [(0, 0)] * 6 + [(0, 1)] * 3 + [(1, 0)] * 1
-    weights = composition.inverse_frequency_weights(pairs)
+    weights = composition_weighting.inverse_frequency_weights(pairs)
     assert math.isclose(sum(weights[p] for p in pairs) / len(pairs), 1.0)
     # colour 0: 9 of 10, colour 1: 1; shape 0: 7, shape 1: 3 → raw weight = mean of 10/count
     raw = {(0, 0): (10 / 9 + 10 / 7) / 2, (0, 1): (10 / 9 + 10 / 3) / 2, (1, 0): (10 / 1 + 10 / 7) / 2}
@@ -140,7 +142,7 @@ def test_inverse_frequency_weights_have_mean_one_and_favour_rare_concepts():
 
 def test_importance_weights_turn_the_pool_into_the_balanced_stream_in_expectation():
     pairs = [(0, 0)] * 6 + [(0, 1)] * 3 + [(1, 0)] * 1
-    weights = composition.importance_weights(pairs)
+    weights = composition_weighting.importance_weights(pairs)
     assert math.isclose(sum(weights[p] for p in pairs) / len(pairs), 1.0)
     # each pair's total weight in the pool is the same: every pair counts equally, as in the balanced stream
     assert all(math.isclose(pairs.count(p) * w, len(pairs) / 3) for p, w in weights.items())
@@ -222,7 +224,7 @@ def test_caption_balanced_factors_come_from_the_scene_captions_and_favour_a_rare
     captions = scenes.captions()
     left, right = pool.pair_of_tile[int(scenes.left[3])], pool.pair_of_tile[int(scenes.right[3])]
     assert captions[3] == caption(left, right)
-    stream = composition.WeightedScenes("caption", captions, alpha=0.5)
+    stream = composition_weighting.WeightedScenes("caption", captions, alpha=0.5)
     assert stream.table.sample_entries(0)[:2] == captions[0].split()[1:3]  # the first object's colour and shape
     entries = set(stream.table.entries)
     assert {"red", "cross", "red:cross", "cross + ring"} <= entries  # concepts, bindings and object pairs
@@ -237,9 +239,9 @@ def test_caption_balanced_factors_come_from_the_scene_captions_and_favour_a_rare
     head_only = [i for i in range(len(scenes)) if pairs_of(i) <= heads]
     assert with_rare and head_only
     for alpha in (0.5, 1.0):
-        factors = composition.WeightedScenes("caption", captions, alpha=alpha).factors
+        factors = composition_weighting.WeightedScenes("caption", captions, alpha=alpha).factors
         assert float(factors[with_rare].min()) > float(factors[head_only].mean())
-    full = composition.WeightedScenes("caption", captions, alpha=1.0)
+    full = composition_weighting.WeightedScenes("caption", captions, alpha=1.0)
     # a larger exponent spreads the factors further
     assert float(full.factors.max() / full.factors.min()) > float(stream.factors.max() / stream.factors.min())
     g = torch.Generator().manual_seed(0)
@@ -259,8 +261,8 @@ def test_the_online_stream_starts_at_the_temperature_prior_and_draws_by_the_onli
 
     _, pool, scenes = _scene_pool(seed=1)
     captions = scenes.captions()
-    stream = composition.WeightedScenes("imba_online", captions, alpha=0.5)
-    prior = composition.WeightedScenes("caption", captions, alpha=0.5).factors
+    stream = composition_weighting.WeightedScenes("imba_online", captions, alpha=0.5)
+    prior = composition_weighting.WeightedScenes("caption", captions, alpha=0.5).factors
     assert torch.allclose(stream.factors / FACTOR_ONE, prior, rtol=1e-4)  # before any refresh: the prior itself
     rng = torch.Generator().manual_seed(3)
     rarest = torch.from_numpy(stream.online.group_of == 0)
@@ -280,7 +282,7 @@ def test_the_online_stream_starts_at_the_temperature_prior_and_draws_by_the_onli
     assert log["refreshes"] == 6 and log["max_factor"] == float(factors.max()) / FACTOR_ONE
     assert log["multipliers"][0] == stream.online.weights[0] / FACTOR_ONE and log["ratios"][0] > 1.3
     with pytest.raises(ValueError, match="unknown weighted stream"):
-        composition.WeightedScenes("pair_balanced", captions)
+        composition_weighting.WeightedScenes("pair_balanced", captions)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")  # skipped
@@ -302,12 +304,12 @@ def test_the_benchmark_trains_through_the_trainers_step(monkeypatch):
     job = dict(world="concept_tail", scenes="fixed", fixed_ranks=False, protocol=composition.PROTOCOL, steps=[3],
                per_pair=1, sampling_steps=2, batch_size=4, pool=300, oracle=str(composition.ORACLE), oracle_b=None,
                grid_dir=None, models_dir=None, seed=0, variant="inverse_freq")
-    trained = composition.run_one(job)["results"][3]
+    trained = composition_run.run_one(job)["results"][3]
     assert calls == [(n, ["generator", "left", "right"]) for n in (1, 2, 3)]  # the re-weighted loss's own inputs
     # the trainer's builder with the protocol's warm-up, which its recorded studies ran: step n at n / 100 of 2e-3
     assert rates == [2e-3 * (n / 100) for n in (1, 2, 3)]
     monkeypatch.setattr(guard.DivergenceGuard, "step_is_bad", lambda self, grad_norm=None: True)
-    skipped = composition.run_one(job)["results"][3]
+    skipped = composition_run.run_one(job)["results"][3]
     assert skipped["final_loss"] != trained["final_loss"] and skipped["compute"] == trained["compute"] == 3
 
 
@@ -318,7 +320,7 @@ def test_the_balanced_streams_train_on_weighted_scenes_and_log_their_factors(tmp
     job = dict(world="concept_tail", scenes="fixed", fixed_ranks=False, protocol=composition.PROTOCOL,
                steps=[composition_variants.BALANCE_EVERY * 2], per_pair=1, sampling_steps=2, batch_size=8, pool=300,
                oracle=str(composition.ORACLE), oracle_b=None, grid_dir=None, models_dir=None, seed=0)
-    runs = {v: composition.run_one({**job, "variant": v}) for v in ("plain", "caption_balanced", "imba_grouped")}
+    runs = {v: composition_run.run_one({**job, "variant": v}) for v in ("plain", "caption_balanced", "imba_grouped")}
     steps = composition_variants.BALANCE_EVERY * 2
     results = {v: run["results"][steps] for v, run in runs.items()}
     assert results["caption_balanced"]["compute"] == steps
@@ -331,7 +333,7 @@ def test_the_balanced_streams_train_on_weighted_scenes_and_log_their_factors(tmp
         assert sum(results[variant]["exposure"].values()) == 2 * 8 * steps
         assert results[variant]["distinct_scenes"] <= len(TilePool(PairWorld("concept_tail", 0), 0, tiles=300))
     with pytest.raises(ValueError, match="--scenes fixed"):
-        composition.run_one({**job, "variant": "imba_grouped", "scenes": "online"})
+        composition_run.run_one({**job, "variant": "imba_grouped", "scenes": "online"})
 
 
 def test_hue_words_leave_the_named_words_and_positions_as_they_were():
@@ -409,7 +411,7 @@ def test_world_features_read_the_probed_object_on_its_half_of_the_scene():
 
 def test_half_distances_split_the_token_grid_into_left_and_right():
     per_token = torch.arange(8.0).repeat(2, 1)  # 2 rows × 4 columns of tokens: left columns 0-1
-    left, right = composition.half_distances(per_token, 2, 4)
+    left, right = composition_run.half_distances(per_token, 2, 4)
     assert left.tolist() == [(0 + 1 + 4 + 5) / 4] * 2 and right.tolist() == [(2 + 3 + 6 + 7) / 4] * 2
 
 
@@ -509,8 +511,8 @@ def test_generation_keeps_no_graph():
 
     text = WordEncoder(seed=0)
     model = build_transformer("micro", 16, text.dim, in_channels=3, patch_size=4)
-    images = composition.generate(model, build_objective("flow"), text, [(0, 0)] * 2, [(1, 1)] * 2,
-                                  seed=0, steps=2)
+    images = composition_run.generate(model, build_objective("flow"), text, [(0, 0)] * 2, [(1, 1)] * 2,
+                                      seed=0, steps=2)
     assert images.shape == (2, 3, 16, 32) and not images.requires_grad
 
 
@@ -521,8 +523,8 @@ def test_shuffled_weights_stay_within_their_noise_level_and_keep_its_distributio
     timesteps = torch.tensor([50, 60, 70, 80, 450, 460, 470, 480, 490, 950, 960, 970])  # bins 0, 4 and 9
     from imba.loss import TimestepMean
 
-    shuffled = composition.weights_shuffled_within_levels(weights, TimestepMean(10).bin_of,
-                                                          torch.Generator().manual_seed(0))
+    shuffled = composition_weighting.weights_shuffled_within_levels(weights, TimestepMean(10).bin_of,
+                                                                    torch.Generator().manual_seed(0))
     moved = []
     for _ in range(20):
         weight, d = shuffled(None, None, None, None, timesteps)
@@ -539,17 +541,19 @@ def test_half_weighted_loss_weighs_each_half_by_its_own_object():
     pred[..., :16] = 1.0  # error 1 on every left pixel, 0 on the right
     pred[..., 16:] = 2.0  # error 4 on every right pixel
     left, right = torch.tensor([2.0, 0.0]), torch.tensor([0.5, 1.0])
-    loss = composition.half_weighted_loss(pred, target, left, right)
+    loss = composition_weighting.half_weighted_loss(pred, target, left, right)
     # scene 0: (2·1 + 0.5·4) / 2, scene 1: (0·1 + 1·4) / 2; mean over scenes
     assert loss.item() == pytest.approx(((2 + 2) / 2 + 4 / 2) / 2)
-    assert composition.half_weighted_loss(pred, target, torch.ones(2), torch.ones(2)).item() == pytest.approx(2.5)
+    unweighted = composition_weighting.half_weighted_loss(pred, target, torch.ones(2), torch.ones(2))
+    assert unweighted.item() == pytest.approx(2.5)
 
 
 def test_selection_noise_dropout_and_lever_draws_come_from_generators_of_their_own():
     roles = ("select", "noise", "drop", "lever")
-    firsts = {torch.rand(4, generator=composition.generator_for(s, r)).sum().item() for s in range(5) for r in roles}
+    firsts = {torch.rand(4, generator=composition_run.generator_for(s, r)).sum().item()
+              for s in range(5) for r in roles}
     assert len(firsts) == 20  # no two (seed, role) share a sequence
-    a, b = composition.generator_for(3, "noise"), composition.generator_for(3, "noise")
+    a, b = composition_run.generator_for(3, "noise"), composition_run.generator_for(3, "noise")
     assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
 
 
