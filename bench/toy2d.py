@@ -11,7 +11,8 @@ Objective: 2-D flow matching / rectified flow. With noise x0 ~ N(0, I), data x1 
     x_t = (1 − t)·x0 + t·x1,        target velocity v = x1 − x0.
 
 Model: a class-conditional MLP f(x_t, t, class) -> velocity (input = x_t, t and a learned class embedding; 64
-wide, SiLU). Adam, lr 1e-3, batch 256, constant learning rate.
+wide, SiLU). Adam, lr 1e-3, batch 256, constant learning rate (the trainer's builder, `build_adamw`: AdamW without
+weight decay or warm-up).
 
 Variants (trained with equal steps, equal seeds and the *same* stream of random draws, so they differ only in
 their loss and their class frequencies):
@@ -175,8 +176,11 @@ def train_variant(
         raise ValueError(f"toy2d: training lengths must be positive, got {steps!r}")
     tail_fraction = 0.5 if balance == "balanced" else 1.0 / (config.imbalance + 1.0)
 
+    from imba.training.build import build_adamw
+
     model = build_model(config, seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    # the trainer's builder without weight decay or warm-up: Adam's update at a constant rate
+    optimizer, schedule = build_adamw(model.parameters(), lr=config.lr, weight_decay=0.0, warmup_steps=0)
     imba_loss = None
     if loss_kind != "plain":
         imba_loss = IMBALoss(gamma=config.gamma, lam=config.lam, patch_size=1, reference=loss_kind)
@@ -206,6 +210,7 @@ def train_variant(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        schedule.step()
 
         if step in checkpoints:
             snapshot = build_model(config, seed)
