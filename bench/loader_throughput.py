@@ -68,6 +68,7 @@ from data.index import load_or_build_index  # noqa: E402
 from data.indexed import make_indexed_loader  # noqa: E402
 from data.precompute import PrecomputeSettings, precompute_shards  # noqa: E402
 from data.precomputed import load_manifest, make_precomputed_loader  # noqa: E402
+from data.read_spec import ReadSpec  # noqa: E402
 from data.urls import expand_urls  # noqa: E402
 from data.synthetic import write_synthetic_shards  # noqa: E402
 from data.sources import Source, SourceMix  # noqa: E402
@@ -266,24 +267,27 @@ def build_readers(args, data: dict[str, Any], group: str = "",
                       "file_bytes": file_bytes, "bytes_per_sample": file_bytes / max(1, samples)}
 
     def make_precomputed(workers: int):
-        return make_precomputed_loader(data["precomputed"], args.batch_size, num_workers=workers, manifest=manifest)
+        return make_precomputed_loader(data["precomputed"], ReadSpec(batch_size=args.batch_size, num_workers=workers),
+                                       manifest=manifest)
 
     def make_threaded(threads: int):
-        return make_precomputed_loader(data["precomputed"], args.batch_size, num_threads=threads, manifest=manifest)
+        spec = ReadSpec(batch_size=args.batch_size, loader_threads=threads)
+        return make_precomputed_loader(data["precomputed"], spec, manifest=manifest)
 
     weighted_order = weighted_stream(data, args) if args.weighted else None
 
     def make_weighted(workers: int, threads: int = 0):
         sampler = StreamBatchSampler(weighted_order, args.batch_size)
-        return make_precomputed_loader(data["precomputed"], args.batch_size, num_workers=workers, manifest=manifest,
-                                       num_threads=threads, sampler=sampler)
+        spec = ReadSpec(batch_size=args.batch_size, num_workers=workers, loader_threads=threads)
+        return make_precomputed_loader(data["precomputed"], spec, manifest=manifest, sampler=sampler)
 
     def make_weighted_threaded(threads: int):
         return make_weighted(0, threads)
 
     def make_image(workers: int):
-        return make_indexed_loader(data["images"], manifest["resolution"], args.batch_size, num_workers=workers,
-                                   caption_field=manifest["caption_field"], min_size=manifest.get("min_size", 0))
+        spec = ReadSpec(resolution=manifest["resolution"], batch_size=args.batch_size, num_workers=workers,
+                        caption_field=manifest["caption_field"], min_size=manifest.get("min_size", 0))
+        return make_indexed_loader(data["images"], spec)
 
     def raw(paths: list[str], before: Callable[[], None]) -> Callable[[], tuple[int, float]]:
         def run() -> tuple[int, float]:

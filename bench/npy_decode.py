@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data.precomputed as precomputed  # noqa: E402
+from data.read_spec import ReadSpec  # noqa: E402
 
 DEFAULT_GLOB = "outputs/loader_throughput/*-precomputed"
 
@@ -38,7 +39,7 @@ def decode_us_per_sample(members: list[bytes], decode) -> float:
 
 
 def loader_samples_per_s(shards: list[str], manifest: dict, batches: int) -> float:
-    loader = precomputed.make_precomputed_loader(shards, 32, 0, 0, 0, 1, 0, manifest=manifest)
+    loader = precomputed.make_precomputed_loader(shards, ReadSpec(batch_size=32), manifest=manifest)
     count, start = 0, time.perf_counter()
     for i, batch in enumerate(loader):
         count += len(batch["keys"])

@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the S3 server the tests use
 from data import remote  # noqa: E402
 from data.order import IndexedBatchSampler  # noqa: E402
 from data.precomputed import make_precomputed_loader  # noqa: E402
+from data.read_spec import ReadSpec  # noqa: E402
 from data.remote import ShardCache  # noqa: E402
 from real_size_features import write_feature_set  # noqa: E402
 from remote_servers import CREDENTIALS, Faults, S3Server  # noqa: E402
@@ -52,7 +53,7 @@ def raw_read(urls: list[str], folder: str) -> None:
 
 
 def loader_epoch(urls: list[str], cache: ShardCache, batch_size: int, window: int, samples: int) -> list[list[int]]:
-    loader = make_precomputed_loader(urls, batch_size, shard_window=window, cache=cache)
+    loader = make_precomputed_loader(urls, ReadSpec(batch_size=batch_size, shard_window=window), cache=cache)
     batches = []
     for batch in loader:
         batches.append(batch["indices"])

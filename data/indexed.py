@@ -42,9 +42,9 @@ from .buckets import assign_buckets, bucket_sizes
 from .decode import DecodeSamples, collate as collate_samples
 from .index import ShardIndex, load_or_build_index, parse_sample
 from .order import BucketBatchSampler, IndexedBatchSampler
+from .read_spec import ReadSpec
 from .remote import DEFAULT_BUDGET, RemoteReadError, ShardCache, is_indexable_remote, raised_line
 from .skips import CORRUPT_TAR, UNREADABLE_SHARD, NoUsableSamples, ReaderStats, counts_since, too_small_advice
-from .streaming import check_loader_args
 from .weighted import StreamBatchSampler, WeightedBucketSampler
 
 __all__ = ["IndexedShards", "TooManyBadShards", "BatchFetch", "IndexedLoader", "indexed_batch_sampler", "check_stream",
@@ -327,71 +327,65 @@ class IndexedLoader:
             yield batch
 
 
-def indexed_batch_sampler(
-    dataset: IndexedShards, batch_size: int, seed: int, rank: int, world_size: int, start_batch: int, shard_window: int
-) -> IndexedBatchSampler:
-    """The `IndexedBatchSampler` over all samples of `dataset` (its shard sizes give `shard_window` its shards)."""
-    return IndexedBatchSampler(len(dataset), batch_size, seed=seed, rank=rank, world_size=world_size,
-                               start_batch=start_batch, shard_sizes=dataset.index.nsamples, shard_window=shard_window)
+def indexed_batch_sampler(dataset: IndexedShards, spec: ReadSpec) -> IndexedBatchSampler:
+    """The uniform `IndexedBatchSampler` of `spec` over all samples of `dataset` (its shard sizes give
+    `spec.shard_window` its shards)."""
+    return IndexedBatchSampler(len(dataset), spec.batch_size, seed=spec.seed, rank=spec.rank,
+                               world_size=spec.world_size, start_batch=spec.batches_done,
+                               shard_sizes=dataset.index.nsamples, shard_window=spec.shard_window)
 
 
 def make_indexed_loader(
-    urls: str | Sequence[str], resolution: int, batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
-    world_size: int = 1, batches_done: int = 0, caption_field: str = "caption",
-    index_dir: str | os.PathLike | None = None, shard_window: int = 0, min_size: int = 0, bucketing: bool = False,
-    bucket_divisor: int = 16, max_aspect_ratio: float = 4.0,
+    shards: str | Sequence[str] | ShardIndex, spec: ReadSpec, *,
     sampler: StreamBatchSampler | WeightedBucketSampler | None = None, cache: ShardCache | None = None,
 ) -> IndexedLoader:
-    """Infinite, exactly resumable loader over tar shards (local, or remote read through `cache`, a
-    `data.remote.ShardCache`); same batches as `make_image_text_loader`.
+    """Infinite, exactly resumable loader over tar shards (a spec, a list of URLs, or their loaded `ShardIndex`;
+    local, or remote read through `cache`, a `data.remote.ShardCache`) read as `spec` says; the same batches as
+    `make_image_text_loader`.
 
-    `batches_done` = batches this rank already consumed (step * grad_accum after a resume): the first batch is
+    `spec.batches_done` = batches this rank already consumed (step * grad_accum after a resume): the first batch is
     the one an uninterrupted run would draw next. Every rank gets `loader.batches_per_epoch` batches per epoch.
-    `shard_window` > 0 reads shards in windows of that many for locality (0: uniform order over all samples).
-    `min_size` > 0 skips (substitutes) images whose shorter side is below it, in pixels.
+    `spec.min_size` > 0 skips (substitutes) images whose shorter side is below it, in pixels.
 
-    `bucketing=True`: aspect-ratio buckets around `resolution`² pixels (`data.buckets.bucket_sizes(resolution,
-    bucket_divisor, max_aspect_ratio)`; the divisor is VAE downsampling x DiT patch size); each batch comes from
-    one bucket, pixels (B, 3, h, w) cover-resized and centre-cropped to it (`BucketBatchSampler` for the order;
-    `loader.buckets` is the table). Not combined with `shard_window`.
+    `spec.bucketing`: aspect-ratio buckets around `resolution`² pixels (`data.buckets.bucket_sizes(resolution,
+    bucket_divisor)`); each batch comes from one bucket, pixels (B, 3, h, w) cover-resized and centre-cropped to it
+    (`BucketBatchSampler` for the order; `loader.buckets` is the table).
 
     `sampler`: draw the batches from this weighted stream (`data.weighted`, made for these shards; with
-    `bucketing`, a `WeightedBucketSampler` over `loader.buckets`' table) instead of the uniform order; `batches_done`,
-    `seed` and `shard_window` are then the sampler's business.
+    bucketing, a `WeightedBucketSampler` over `loader.buckets`' table) instead of the uniform order; the position,
+    seed and shard window are then the sampler's business.
     """
-    check_loader_args(resolution, batch_size, num_workers, min_size)
-    if sampler is not None and bucketing != isinstance(sampler, WeightedBucketSampler):
+    if sampler is not None and spec.bucketing != isinstance(sampler, WeightedBucketSampler):
         raise ValueError("a weighted stream with aspect-ratio buckets needs bucketing=True and a "
                          "WeightedBucketSampler, without them a StreamBatchSampler")
-    if bucketing and shard_window:
-        raise ValueError("aspect-ratio bucketing reads samples in a uniform order: set shard_window=0")
-    buckets = bucket_sizes(resolution, bucket_divisor, max_aspect_ratio) if bucketing else None  # checks first
-    dataset = IndexedShards(urls, resolution, caption_field=caption_field, index_dir=index_dir, min_size=min_size,
+    buckets = bucket_sizes(spec.resolution, spec.bucket_divisor) if spec.bucketing else None  # checks first
+    dataset = IndexedShards(shards, spec.resolution, caption_field=spec.caption_field, min_size=spec.min_size,
                             cache=cache)
-    if min_size:  # the index holds every image's size: a minimum that none meets is reported before any batch
+    if spec.min_size:  # the index holds every image's size: a minimum that none meets is reported before any batch
         shorter = dataset.index.sizes.min(axis=1)
         largest = int(shorter.max()) if len(shorter) else 0  # 0: no readable image header, bad samples anyway
-        if 0 < largest < min_size:
-            raise ValueError(f"data.min_size={min_size}: no image in {dataset.stats.where} is that large (the "
+        if 0 < largest < spec.min_size:
+            raise ValueError(f"data.min_size={spec.min_size}: no image in {dataset.stats.where} is that large (the "
                              f"largest shorter side is {largest} px); lower data.min_size")
     if buckets is not None and sampler is None:
         sizes = dataset.index.sizes
-        sampler = BucketBatchSampler(assign_buckets(sizes[:, 0], sizes[:, 1], buckets), buckets, batch_size,
-                                     seed=seed, rank=rank, world_size=world_size, start_batch=batches_done)
+        sampler = BucketBatchSampler(assign_buckets(sizes[:, 0], sizes[:, 1], buckets), buckets, spec.batch_size,
+                                     seed=spec.seed, rank=spec.rank, world_size=spec.world_size,
+                                     start_batch=spec.batches_done)
         unknown = int(np.count_nonzero((sizes <= 0).any(axis=1)))
         log.info(
             "aspect-ratio buckets around %dx%d: %s; %d of %d samples per epoch used (per-bucket remainders "
-            "dropped)%s", resolution, resolution, sampler.describe(), sampler.samples_per_epoch, len(dataset),
-            f"; {unknown} samples of unknown size put in the square bucket" if unknown else "",
+            "dropped)%s", spec.resolution, spec.resolution, sampler.describe(), sampler.samples_per_epoch,
+            len(dataset), f"; {unknown} samples of unknown size put in the square bucket" if unknown else "",
         )
-        return IndexedLoader(dataset, sampler, num_workers=num_workers)
+        return IndexedLoader(dataset, sampler, num_workers=spec.num_workers)
     if sampler is None:
-        sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
+        sampler = indexed_batch_sampler(dataset, spec)
     else:
-        check_stream(sampler, len(dataset), batch_size)
+        check_stream(sampler, len(dataset), spec.batch_size)
         if buckets is not None and sampler.buckets != buckets:
             raise ValueError("the weighted bucket sampler was made for another bucket table than the loader's")
-    return IndexedLoader(dataset, sampler, num_workers=num_workers)
+    return IndexedLoader(dataset, sampler, num_workers=spec.num_workers)
 
 
 def check_stream(sampler: StreamBatchSampler | WeightedBucketSampler, num_samples: int, batch_size: int) -> None:

@@ -50,12 +50,12 @@ import numpy as np
 import torch
 
 from .files import read_json_object
-from .index import parse_sample
+from .index import ShardIndex, parse_sample
 from .indexed import BatchFetch, IndexedLoader, IndexedShards, check_stream, indexed_batch_sampler
 from .order import IndexedBatchSampler
+from .read_spec import ReadSpec
 from .remote import ShardCache, is_indexable_remote, read_bytes, read_json as read_remote_json
 from .skips import ReaderStats
-from .streaming import check_loader_args
 from .text_states import (
     SCALED_TEXT_DTYPES,
     STORED_TORCH_DTYPE,
@@ -431,12 +431,13 @@ class PrecomputedShards(IndexedShards):
 
     def __init__(
         self,
-        urls: str | Sequence[str],
+        urls: str | Sequence[str] | ShardIndex,
         manifest: dict[str, Any] | None = None,
         index_dir: str | os.PathLike | None = None,
         cache: ShardCache | None = None,
     ):
-        manifest = manifest if manifest is not None else load_manifest(urls)
+        if manifest is None:
+            manifest = load_manifest(urls.urls if isinstance(urls, ShardIndex) else urls)
         super().__init__(urls, manifest["resolution"], caption_field=manifest["caption_field"], index_dir=index_dir,
                          cache=cache)
         # the image decoder of IndexedShards is replaced: raw precomputed members -> checked arrays
@@ -566,8 +567,6 @@ class PrecomputedLoader(IndexedLoader):
 
     def __init__(self, dataset: PrecomputedShards, sampler: IndexedBatchSampler | StreamBatchSampler,
                  num_workers: int = 0, num_threads: int = 0):
-        if num_threads < 0 or (num_threads and num_workers):
-            raise ValueError(f"loader threads ({num_threads}) need num_workers=0 (got {num_workers}) and >= 0")
         super().__init__(dataset, sampler, num_workers=num_workers)
         self.manifest = dataset.manifest
         if num_threads:
@@ -575,26 +574,23 @@ class PrecomputedLoader(IndexedLoader):
 
 
 def make_precomputed_loader(
-    urls: str | Sequence[str], batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
-    world_size: int = 1, batches_done: int = 0, index_dir: str | os.PathLike | None = None, shard_window: int = 0,
-    manifest: dict[str, Any] | None = None, num_threads: int = 0, sampler: StreamBatchSampler | None = None,
-    cache: ShardCache | None = None,
+    shards: str | Sequence[str] | ShardIndex, spec: ReadSpec, *, manifest: dict[str, Any] | None = None,
+    sampler: StreamBatchSampler | None = None, cache: ShardCache | None = None,
 ) -> PrecomputedLoader:
-    """Infinite, exactly resumable loader over precomputed shards (the output folder, or a spec of its shards).
+    """Infinite, exactly resumable loader over precomputed shards (the output folder, a spec of its shards, or
+    their loaded `ShardIndex`), in the order, rank split and position of `spec` (those of `make_indexed_loader`,
+    the same `IndexedBatchSampler`; its decoding fields are the manifest's business).
 
     Batches hold the stored bytes packed (`PrecomputedShards.get_batch`); `unpack_batch(batch, loader.manifest,
     device)` gives {"latent_mean", "latent_logvar", "text_embeds", "text_mask"} in the model's layout and dtype.
-    `num_threads` > 0 (with `num_workers=0`): batches made by that many threads of this process, in memory
-    recycled from batches that are gone; `num_workers` > 0: by worker processes, in shared memory made per batch.
-    Order, rank split, `batches_done` resume and `shard_window` are those of `make_indexed_loader` (the same
-    `IndexedBatchSampler`). `manifest` defaults to the precompute.json next to the first shard. `sampler`: a
-    weighted stream (`data.weighted`) to draw from instead, as in `make_indexed_loader`. `cache`: where remote
-    shards are kept (`data.remote.ShardCache`).
+    `spec.loader_threads` > 0: batches made by that many threads of this process, in memory recycled from batches
+    that are gone; `spec.num_workers` > 0: by worker processes, in shared memory made per batch. `manifest`
+    defaults to the precompute.json next to the first shard. `sampler`: a weighted stream (`data.weighted`) to draw
+    from instead, as in `make_indexed_loader`. `cache`: where remote shards are kept (`data.remote.ShardCache`).
     """
-    check_loader_args(1, batch_size, num_workers)
-    dataset = PrecomputedShards(urls, manifest=manifest, index_dir=index_dir, cache=cache)
+    dataset = PrecomputedShards(shards, manifest=manifest, cache=cache)
     if sampler is None:
-        sampler = indexed_batch_sampler(dataset, batch_size, seed, rank, world_size, batches_done, shard_window)
+        sampler = indexed_batch_sampler(dataset, spec)
     else:
-        check_stream(sampler, len(dataset), batch_size)
-    return PrecomputedLoader(dataset, sampler, num_workers=num_workers, num_threads=num_threads)
+        check_stream(sampler, len(dataset), spec.batch_size)
+    return PrecomputedLoader(dataset, sampler, num_workers=spec.num_workers, num_threads=spec.loader_threads)

@@ -132,7 +132,7 @@ class DataConfig:
         return StoreBudget(self.store_timeout, self.store_attempts, self.max_bad_shards)
 
     def decoding(self) -> dict:
-        """What turns a shard's record into a training sample, as keywords of `data.loaders.build_loader` and
+        """What turns a shard's record into a training sample, as fields of `data.read_spec.ReadSpec` and
         `PrecomputeSettings`: the image size, where the caption is, which images are skipped as too small."""
         return dict(resolution=self.resolution, caption_field=self.caption_field, min_size=self.min_size)
 

@@ -10,6 +10,7 @@ scans the shards and computes the draw plan into a folder, the others read what 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -19,13 +20,18 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence, runtime_ch
 from .buckets import assign_buckets, bucket_sizes
 from .draw_plan import DrawPlan, describe_plan, load_plan, plan_draws, plan_fingerprint, plot_plan
 from .index import ShardIndex, load_or_build_index
-from .loaders import build_loader
+from .indexed import make_indexed_loader
+from .precomputed import make_precomputed_loader
+from .read_spec import ReadSpec
+from .remote import ShardCache
 from .settings import DataConfig
 from .sources import Source, SourceMix
+from .streaming import make_image_text_loader
+from .urls import is_pipe
 from .weighted import StreamBatchSampler, WeightedBucketSampler, WeightedOrder
 
-__all__ = ["Reader", "Processes", "DataStream", "all_shards", "draw_plan", "caption_workers", "make_stream",
-           "reader_size", "reader_fingerprint"]
+__all__ = ["Reader", "Processes", "DataStream", "all_shards", "draw_plan", "caption_workers", "choose_mode",
+           "open_loader", "make_stream", "reader_size", "reader_fingerprint"]
 
 PLAN_POLL_S = 1.0  # how often the other ranks look for the plan the main process is computing
 
@@ -74,15 +80,32 @@ def caption_workers(index: ShardIndex) -> int:
     return min(8, os.cpu_count() or 1) if len(index) > 200_000 else 1
 
 
-def draw_plan(d: DataConfig, processes: Processes, sources: Sequence[Source], folder: Path, extractor=None
-              ) -> tuple[DrawPlan, ShardIndex, SourceMix]:
+def choose_mode(mode: str, shards: Sequence[str], manifest: dict | None = None) -> str:
+    """The reader for data.mode `mode` (auto | indexed | streaming): "indexed" or "streaming".
+
+    Precomputed shards (a manifest) are always read indexed; "auto" reads local shards and s3://, gs://, http(s)://
+    URLs indexed (exact resume; remote shards through the local cache) and streams pipe: commands."""
+    if manifest:
+        return "indexed"
+    if mode == "auto":
+        return "streaming" if any(map(is_pipe, shards)) else "indexed"
+    return mode
+
+
+def _load_index(shards: Sequence[str], cache: ShardCache | None, processes: Processes | None) -> ShardIndex:
+    """The shards' index: scanned once, by the main process; the others read what it cached."""
+    with processes.main_process_first() if processes is not None else contextlib.nullcontext():
+        return load_or_build_index(shards, cache=cache)
+
+
+def draw_plan(d: DataConfig, processes: Processes, sources: Sequence[Source], folder: Path, extractor=None,
+              index: ShardIndex | None = None) -> tuple[DrawPlan, ShardIndex, SourceMix]:
     """The draw plan of `d` (data.sources shares, data.balance weights; an online rule: its natural plan, which its
-    balancer re-weights), the index and the mix of sources it is made for: computed by the main process into
-    `folder` (reused while its fingerprint holds), described and plotted there, read by the others. ValueError (one
-    line) for sources that cannot be mixed."""
-    shards = all_shards(sources)
-    with processes.main_process_first():
-        index = load_or_build_index(shards, cache=d.cache())
+    balancer re-weights), the index (`index`, else loaded) and the mix of sources it is made for: computed by the
+    main process into `folder` (reused while its fingerprint holds), described and plotted there, read by the
+    others. ValueError (one line) for sources that cannot be mixed."""
+    if index is None:
+        index = _load_index(all_shards(sources), d.cache(), processes)
     mix = SourceMix(sources, index.nsamples, d.epoch_samples)
     balance = d.balance.plan_rule()
     if processes.is_main_process:
@@ -100,6 +123,32 @@ def draw_plan(d: DataConfig, processes: Processes, sources: Sequence[Source], fo
     return plan, index, mix
 
 
+def open_loader(shards: Sequence[str], spec: ReadSpec, *, mode: str = "auto", manifest: dict | None = None,
+                sampler: StreamBatchSampler | WeightedBucketSampler | None = None, cache: ShardCache | None = None,
+                index: ShardIndex | None = None, processes: Processes | None = None):
+    """The loader of `shards` read as `spec` says, by the reader `mode` chooses (`choose_mode`): image shards
+    indexed or streamed, or precomputed features (`manifest`, their precompute.json). `sampler`: a weighted stream
+    over these shards in place of the uniform order; `cache`: where remote shards are kept; `index`: the shards'
+    index when the caller has loaded it (else loaded here, the main process of `processes` first). ValueError (one
+    line) for a combination no reader serves."""
+    mode = choose_mode(mode, shards, manifest)
+    if sampler is not None and mode != "indexed":
+        raise ValueError("a weighted stream (data.sources, data.balance) needs indexed reading: the streaming reader "
+                         "cannot draw by weight and resume exactly")
+    if spec.bucketing and (manifest or mode == "streaming"):
+        raise ValueError("data.bucketing=true needs image shards read in indexed mode: "
+                         + ("precomputed latents have one fixed size" if manifest else "streamed shards have no index"))
+    if spec.loader_threads and not manifest:
+        raise ValueError(f"data.loader_threads={spec.loader_threads} needs precomputed features and "
+                         "data.num_workers=0 (these shards are images)")
+    if mode == "streaming":
+        return make_image_text_loader(shards, spec)
+    index = index if index is not None else _load_index(shards, cache, processes)
+    if manifest:
+        return make_precomputed_loader(index, spec, manifest=manifest, sampler=sampler, cache=cache)
+    return make_indexed_loader(index, spec, sampler=sampler, cache=cache)
+
+
 def make_stream(d: DataConfig, processes: Processes, sources: Sequence[Source], *, seed: int, samples_done: int,
                 manifest: dict | None, bucket_divisor: int, plan_folder: Path, extractor=None, order=None,
                 log: Callable[[str], None] = print) -> DataStream:
@@ -110,13 +159,15 @@ def make_stream(d: DataConfig, processes: Processes, sources: Sequence[Source], 
     aspect-ratio buckets' sides are divisible by; `log`: the main process's lines. ValueError (one line) for
     settings the data cannot serve."""
     world, rank = processes.num_processes, processes.process_index
+    shards, cache = all_shards(sources), d.cache()
+    index = _load_index(shards, cache, processes) if choose_mode(d.mode, shards, manifest) == "indexed" else None
     sampler, epoch = None, None
     if d.weighted():
         where = dict(rank=rank, world_size=world, samples_done=samples_done)
         if order is not None:  # the caller's stream, e.g. the natural plan re-weighted as the run goes
             sampler, size = StreamBatchSampler(order, d.batch_size, **where), order.samples_per_epoch
         else:
-            plan, index, _ = draw_plan(d, processes, sources, plan_folder, extractor)
+            plan, index, _ = draw_plan(d, processes, sources, plan_folder, extractor, index=index)
             size = plan.samples_per_epoch
             if d.bucketing:  # each image's bucket from the sizes in the index; the plan's draws within each bucket
                 buckets = bucket_sizes(d.resolution, bucket_divisor)
@@ -132,12 +183,11 @@ def make_stream(d: DataConfig, processes: Processes, sources: Sequence[Source], 
         epoch = where["samples_done"] / size
     # the uniform order and the stream reader count batches per rank: the global batch the position falls in
     consumed = samples_done // (world * d.batch_size)
-    loader = build_loader(all_shards(sources), d.mode, **d.decoding(), batch_size=d.batch_size,
-                          num_workers=d.num_workers, seed=seed, rank=rank, world_size=world,
-                          shuffle_buffer=d.shuffle_buffer, bucketing=d.bucketing, bucket_divisor=bucket_divisor,
-                          batches_done=consumed, manifest=manifest, loader_threads=d.loader_threads,
-                          main_process_first=processes.main_process_first, sampler=sampler, cache=d.cache(),
-                          shard_window=d.shard_window)
+    spec = ReadSpec(**d.decoding(), batch_size=d.batch_size, seed=seed, rank=rank, world_size=world,
+                    batches_done=consumed, shard_window=d.shard_window, bucketing=d.bucketing,
+                    bucket_divisor=bucket_divisor, num_workers=d.num_workers, loader_threads=d.loader_threads,
+                    shuffle_buffer=d.shuffle_buffer)
+    loader = open_loader(shards, spec, mode=d.mode, manifest=manifest, sampler=sampler, cache=cache, index=index)
     return DataStream(loader, consumed, epoch)
 
 

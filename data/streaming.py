@@ -20,11 +20,12 @@ import torch
 import webdataset as wds
 
 from .decode import DecodeSamples, collate
+from .read_spec import ReadSpec
 from .seeds import derive_seed
 from .skips import ReaderStats, shard_failure_reason
 from .urls import expand_urls
 
-__all__ = ["ReadShards", "check_loader_args", "make_image_text_pipeline", "make_image_text_loader"]
+__all__ = ["ReadShards", "make_image_text_pipeline", "make_image_text_loader"]
 
 
 def _worker_id() -> int:
@@ -89,17 +90,13 @@ class _SeededShuffle:
         return wds.shuffle(self.bufsize, initial=initial, seed=self.seed())(src)
 
 
-def make_image_text_pipeline(
-    urls: str | Sequence[str], resolution: int, batch_size: int, seed: int = 0, rank: int = 0, batches_done: int = 0,
-    shuffle_buffer: int = 1000, caption_field: str = "caption", min_size: int = 0, resampled: bool = True,
-    world_size: int = 1, partial: bool = False,
-) -> wds.DataPipeline:
+def make_image_text_pipeline(urls: str | Sequence[str], spec: ReadSpec, resampled: bool = True) -> wds.DataPipeline:
     """The batched webdataset pipeline behind `make_image_text_loader` (its `.stats` counts skips).
 
     `resampled=False`: one pass over this rank's shards (`urls[rank::world_size]`, split across DataLoader
-    workers) in the given order, then the stream ends (statistics, evaluation, tests); `partial` keeps a last,
-    smaller batch.
+    workers) in the given order, then the stream ends with a last, smaller batch (statistics, evaluation, tests).
     """
+    seed, rank, batches_done = spec.seed, spec.rank, spec.batches_done
     urls = expand_urls(urls)
     stats = ReaderStats(where=urls[0] if len(urls) == 1 else f"{len(urls)} shards ({urls[0]}, ...)")
     if resampled:
@@ -112,50 +109,31 @@ def make_image_text_pipeline(
             )
         ]
     else:
-        shards = [wds.SimpleShardList(urls[rank::world_size]), wds.split_by_worker]
+        shards = [wds.SimpleShardList(urls[rank::spec.world_size]), wds.split_by_worker]
     stages: list[Any] = [*shards, ReadShards(stats)]
-    if shuffle_buffer > 1:
-        stages.append(_SeededShuffle(shuffle_buffer, _StreamSeed(seed, rank, batches_done, "shuffle")))
-    stages.append(DecodeSamples(resolution, caption_field, stats, min_size))
-    stages.append(wds.batched(batch_size, collation_fn=collate, partial=partial))
+    if spec.shuffle_buffer > 1:
+        stages.append(_SeededShuffle(spec.shuffle_buffer, _StreamSeed(seed, rank, batches_done, "shuffle")))
+    stages.append(DecodeSamples(spec.resolution, spec.caption_field, stats, spec.min_size))
+    stages.append(wds.batched(spec.batch_size, collation_fn=collate, partial=not resampled))
     pipeline = wds.DataPipeline(*stages)
     pipeline.stats = stats
     return pipeline
 
 
-def check_loader_args(resolution: int, batch_size: int, num_workers: int, min_size: int = 0) -> None:
-    """Raise ValueError unless resolution >= 1, batch_size >= 1, num_workers >= 0 and min_size >= 0."""
-    if resolution < 1 or batch_size < 1 or num_workers < 0 or min_size < 0:
-        raise ValueError(
-            f"need resolution >= 1, batch_size >= 1, num_workers >= 0, min_size >= 0 "
-            f"(got {resolution}, {batch_size}, {num_workers}, {min_size})"
-        )
-
-
-def make_image_text_loader(
-    urls: str | Sequence[str], resolution: int, batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
-    world_size: int = 1, batches_done: int = 0, shuffle_buffer: int = 1000, caption_field: str = "caption",
-    min_size: int = 0, resampled: bool = True,
-) -> torch.utils.data.DataLoader:
+def make_image_text_loader(urls: str | Sequence[str], spec: ReadSpec, resampled: bool = True
+                           ) -> torch.utils.data.DataLoader:
     """Infinite DataLoader of {"pixels": (B, 3, R, R) float32 in [-1, 1], "captions": [str], "keys": [str]}.
 
-    `urls` is anything `expand_urls` accepts. Shards are resampled with replacement, so every rank reads all
-    shards and `world_size` is only checked; ranks, workers and resume steps differ through the seed.
-    `min_size` > 0 skips images whose shorter side is below it (pixels). `resampled=False` reads this rank's
-    shards once, in order, and ends (the last, smaller batch is kept).
+    `urls` is anything `expand_urls` accepts; `spec` says what a sample is and which stream this process reads
+    (its seed, rank, `batches_done` and `shuffle_buffer`; the index-only fields are not used). Shards are resampled
+    with replacement, so every rank reads all shards and ranks, workers and resume steps differ through the seed.
+    `resampled=False` reads this rank's shards once, in order, and ends (the last, smaller batch is kept).
     """
-    check_loader_args(resolution, batch_size, num_workers, min_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    pipeline = make_image_text_pipeline(
-        urls, resolution, batch_size, seed=seed, rank=rank, batches_done=batches_done, shuffle_buffer=shuffle_buffer,
-        caption_field=caption_field, min_size=min_size, resampled=resampled, world_size=world_size,
-        partial=not resampled,
-    )
+    pipeline = make_image_text_pipeline(urls, spec, resampled)
     return torch.utils.data.DataLoader(
         pipeline,
         batch_size=None,  # the pipeline batches
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(seed),  # leave torch's global RNG alone (see data/indexed.py)
+        num_workers=spec.num_workers,
+        persistent_workers=spec.num_workers > 0,
+        generator=torch.Generator().manual_seed(spec.seed),  # leave torch's global RNG alone (see data/indexed.py)
     )

@@ -10,6 +10,7 @@ import os
 import pytest
 from PIL import Image
 
+from data.read_spec import ReadSpec
 import data.skips as skips_module
 from data.decode import sample_caption, sample_image
 from data.indexed import IndexedShards, make_indexed_loader
@@ -35,8 +36,8 @@ def spec(hostile, how: str):
 
 
 def streaming_pass(source, **kw):
-    loader = make_image_text_loader(source, RES, batch_size=1, shuffle_buffer=0, min_size=HOSTILE_MIN_SIZE,
-                                    resampled=False, **kw)
+    loader = make_image_text_loader(source, ReadSpec(resolution=RES, batch_size=1, shuffle_buffer=0,
+                                                     min_size=HOSTILE_MIN_SIZE, **kw), resampled=False)
     return loader
 
 
@@ -73,13 +74,15 @@ def test_indexed_skips_each_bad_kind_with_exact_counts(tmp_path, caplog, when):
     hostile = write_hostile_shards(tmp_path / "shards")
     caplog.set_level(logging.WARNING)
     if when == "while reading":  # indexed while readable, then the file vanishes
-        loader = make_indexed_loader(hostile["shards"], RES, batch_size=1, min_size=HOSTILE_MIN_SIZE)
+        loader = make_indexed_loader(hostile["shards"], ReadSpec(resolution=RES, batch_size=1,
+                                                                 min_size=HOSTILE_MIN_SIZE))
         make_unopenable(hostile["unopenable"], "vanished")
         # the index still lists the 2 samples of the vanished shard: 15 (8 good, 7 bad) + 3 + 2 + 0 + 3
         assert len(loader.dataset) == 23
     else:  # a directory stands where the shard was when the index is built: indexed as unreadable, 0 samples
         make_unopenable(hostile["unopenable"], "directory")
-        loader = make_indexed_loader(spec(hostile, "directory"), RES, batch_size=1, min_size=HOSTILE_MIN_SIZE)
+        loader = make_indexed_loader(spec(hostile, "directory"), ReadSpec(resolution=RES, batch_size=1,
+                                                                          min_size=HOSTILE_MIN_SIZE))
         assert len(loader.dataset) == 21
     # batch_size 1, one rank: one epoch visits every index once; bad ones are replaced by their next good one
     epoch = list(itertools.islice(loader, loader.batches_per_epoch))
@@ -116,7 +119,8 @@ def test_unreadable_shard_larger_than_the_substitution_window_is_not_fatal(tmp_p
 def test_streaming_resampled_stream_survives_the_hostile_set(tmp_path):
     """The default (infinite, resampled) stream over the same set: only good samples, all reasons counted."""
     hostile = write_hostile_shards(tmp_path / "shards")
-    loader = make_image_text_loader(hostile["shards"], RES, batch_size=4, shuffle_buffer=10, min_size=HOSTILE_MIN_SIZE)
+    loader = make_image_text_loader(hostile["shards"], ReadSpec(resolution=RES, batch_size=4, shuffle_buffer=10,
+                                                                min_size=HOSTILE_MIN_SIZE))
     make_unopenable(hostile["unopenable"], "vanished")
     seen = set()
     for batch in itertools.islice(loader, 40):
@@ -174,7 +178,7 @@ def test_config_min_size(tmp_path):
     with pytest.raises(ConfigError, match="data.min_size"):
         load_config(["data.min_size=big"])
     with pytest.raises(ValueError, match="min_size >= 0"):
-        make_image_text_loader(str(tmp_path), RES, 1, min_size=-1)
+        make_image_text_loader(str(tmp_path), ReadSpec(resolution=RES, batch_size=1, min_size=-1))
 
 
 def test_caption_without_image_is_counted_as_missing_image_by_both_readers(tmp_path, caplog):
@@ -189,7 +193,7 @@ def test_caption_without_image_is_counted_as_missing_image_by_both_readers(tmp_p
     stream = streaming_pass(shard)
     assert [k for b in stream for k in b["keys"]] == ["g0", "g1"]
     assert stream.dataset.stats.bad == {"missing image": 1}
-    indexed = make_indexed_loader(shard, RES, batch_size=1)
+    indexed = make_indexed_loader(shard, ReadSpec(resolution=RES, batch_size=1))
     epoch = list(itertools.islice(indexed, indexed.batches_per_epoch))
     assert sorted(k for b in epoch for k in b["keys"]) == ["g0", "g1", "g1"]  # caption-only replaced by g1
     assert indexed.stats.bad == {"missing image": 1}

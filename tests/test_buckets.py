@@ -21,6 +21,7 @@ from data.images import image_to_tensor, resize_center_crop, to_rgb
 from data.index import INDEX_VERSION, load_or_build_index
 from data.indexed import make_indexed_loader
 from data.order import BucketBatchSampler
+from data.read_spec import ReadSpec
 from imba.training.config import ConfigError, load_config
 from models.dit import build_transformer, predict
 from shard_helpers import encode, write_tar
@@ -167,7 +168,7 @@ def test_index_records_image_sizes_and_old_indexes_are_rebuilt(shards, tmp_path)
 
 def test_batches_are_single_bucket_with_the_bucket_shape(shards):
     folder, _, _, bucket_of, images = shards
-    loader = make_indexed_loader(folder, RES, BATCH, seed=3, bucketing=True)
+    loader = make_indexed_loader(folder, ReadSpec(resolution=RES, batch_size=BATCH, seed=3, bucketing=True))
     assert loader.buckets == TABLE
     counts = {b: sum(1 for k in bucket_of if bucket_of[k] == b) for b in TABLE}
     assert loader.batches_per_epoch == sum(c // BATCH for c in counts.values()) == 10
@@ -234,12 +235,13 @@ def test_exact_resume_across_epochs_and_ranks(shards):
     folder, *_ = shards
     args = dict(resolution=RES, batch_size=BATCH, seed=5, world_size=2, bucketing=True)
     for rank in range(2):
-        loader = make_indexed_loader(folder, rank=rank, **args)
+        loader = make_indexed_loader(folder, ReadSpec(rank=rank, **args))
         bpe = loader.batches_per_epoch
         assert bpe == 5  # 10 full batches over 2 ranks
         full = list(itertools.islice(loader, 3 * bpe + 3))  # epochs 0, 1, 2 and the start of 3
         for start in (1, bpe - 1, bpe, bpe + 1, 2 * bpe + 3):
-            resumed = list(itertools.islice(make_indexed_loader(folder, rank=rank, batches_done=start, **args), 3))
+            resumed = list(itertools.islice(make_indexed_loader(folder, ReadSpec(rank=rank, batches_done=start,
+                                                                                 **args)), 3))
             assert [b["keys"] for b in resumed] == [b["keys"] for b in full[start : start + 3]], (rank, start)
             assert all(torch.equal(a["pixels"], b["pixels"]) for a, b in zip(resumed, full[start:]))
 
@@ -247,8 +249,8 @@ def test_exact_resume_across_epochs_and_ranks(shards):
 def test_workers_give_the_same_batches(shards):
     folder, *_ = shards
     args = dict(resolution=RES, batch_size=BATCH, seed=2, bucketing=True, batches_done=8)
-    single = list(itertools.islice(make_indexed_loader(folder, num_workers=0, **args), 5))  # crosses an epoch
-    two = list(itertools.islice(make_indexed_loader(folder, num_workers=2, **args), 5))
+    single = list(itertools.islice(make_indexed_loader(folder, ReadSpec(num_workers=0, **args)), 5))  # a new epoch
+    two = list(itertools.islice(make_indexed_loader(folder, ReadSpec(num_workers=2, **args)), 5))
     assert [b["keys"] for b in two] == [b["keys"] for b in single]
     assert all(torch.equal(a["pixels"], b["pixels"]) for a, b in zip(single, two))
 
@@ -258,7 +260,7 @@ def test_unreadable_image_goes_to_the_square_bucket_and_is_substituted(tmp_path)
     bad = {"__key__": "k5", "jpg": b"\xff\xd8 not a jpeg", "txt": b"broken"}
     squares = [{"__key__": f"k{i}", "png": encode(picture(40, 40, i), "PNG"), "txt": b"square"} for i in (6, 7)]
     path = write_tar(tmp_path / "bad.tar", good + [bad] + squares)
-    loader = make_indexed_loader(path, RES, 3, bucketing=True)
+    loader = make_indexed_loader(path, ReadSpec(resolution=RES, batch_size=3, bucketing=True))
     assert loader.dataset.index.sizes[5].tolist() == [0, 0]
     assert loader.sampler.counts.tolist() == [0, 5, 3, 0, 0] and loader.batches_per_epoch == 2
     for batch in itertools.islice(loader, 6):
@@ -272,9 +274,9 @@ def test_unreadable_image_goes_to_the_square_bucket_and_is_substituted(tmp_path)
 def test_bucketing_refusals(shards):
     folder, *_ = shards
     with pytest.raises(ValueError, match="set shard_window=0"):
-        make_indexed_loader(folder, RES, BATCH, bucketing=True, shard_window=2)
+        make_indexed_loader(folder, ReadSpec(resolution=RES, batch_size=BATCH, bucketing=True, shard_window=2))
     with pytest.raises(ValueError, match="multiple of the bucket divisor"):
-        make_indexed_loader(folder, 72, BATCH, bucketing=True)
+        make_indexed_loader(folder, ReadSpec(resolution=72, batch_size=BATCH, bucketing=True))
     with pytest.raises(ConfigError, match="data.bucketing=true needs data.mode=indexed"):
         load_config(["data.bucketing=true", "data.mode=streaming"])
     assert load_config(["data.bucketing=true"]).data.bucketing is True

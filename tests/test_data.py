@@ -18,6 +18,7 @@ from PIL import Image
 from shard_helpers import encode, write_tar
 from data.decode import sample_caption
 from data.images import image_to_tensor, resize_center_crop
+from data.read_spec import ReadSpec
 from data.streaming import make_image_text_loader
 from data.urls import expand_urls
 from data.synthetic import (COLOUR_RGB, COLOURS, P_TWO_OBJECTS, SAMPLE_PROMPTS, SHAPES, caption_for,
@@ -251,7 +252,7 @@ def test_image_to_tensor_modes_and_range():
 def test_loader_batches_match_the_shards(synth):
     out, paths = synth
     samples = read_samples(paths)
-    loader = make_image_text_loader(str(out), resolution=16, batch_size=6, seed=0, shuffle_buffer=50)
+    loader = make_image_text_loader(str(out), ReadSpec(resolution=16, batch_size=6, seed=0, shuffle_buffer=50))
     for batch in itertools.islice(loader, 5):
         assert set(batch) == {"pixels", "captions", "keys"}
         px = batch["pixels"]
@@ -277,7 +278,7 @@ def test_loader_captions_from_txt_or_json_and_image_formats(tmp_path):
         {"__key__": "g-pal", "png": encode(big.convert("P"), "PNG"), "txt": b"palette"},
     ]
     shard = write_tar(tmp_path / "mixed.tar", samples)
-    loader = make_image_text_loader(shard, resolution=16, batch_size=4, seed=1, shuffle_buffer=10)
+    loader = make_image_text_loader(shard, ReadSpec(resolution=16, batch_size=4, seed=1, shuffle_buffer=10))
     seen: dict[str, tuple[str, torch.Tensor]] = {}
     for batch in itertools.islice(loader, 20):
         for key, caption, px in zip(batch["keys"], batch["captions"], batch["pixels"]):
@@ -308,7 +309,7 @@ def test_loader_caption_field(tmp_path):
     img = encode(Image.new("RGB", (8, 8), (1, 2, 3)), "PNG")
     metas = [json.dumps({"caption": "", "alt": f"alt {i}"}).encode() for i in range(3)]
     shard = write_tar(tmp_path / "cf.tar", [{"__key__": f"k{i}", "png": img, "json": m} for i, m in enumerate(metas)])
-    loader = make_image_text_loader(shard, resolution=8, batch_size=3, caption_field="alt", shuffle_buffer=0)
+    loader = make_image_text_loader(shard, ReadSpec(resolution=8, batch_size=3, caption_field="alt", shuffle_buffer=0))
     batch = next(iter(loader))
     assert all(c == "alt " + k[1:] for k, c in zip(batch["keys"], batch["captions"]))
 
@@ -319,7 +320,7 @@ def test_loader_seeding(synth):
     def keys(n=4, **kw):
         args = dict(resolution=8, batch_size=5, seed=0, rank=0, world_size=2, batches_done=0, shuffle_buffer=30)
         args.update(kw)
-        return first_keys(make_image_text_loader(str(out), **args), n)
+        return first_keys(make_image_text_loader(str(out), ReadSpec(**args)), n)
 
     base = keys()
     assert keys() == base  # same arguments, fresh loader: same stream
@@ -334,9 +335,9 @@ def test_loader_seeding(synth):
 def test_loader_workers_get_distinct_reproducible_streams(synth):
     out, _ = synth
     args = dict(resolution=8, batch_size=4, seed=5, shuffle_buffer=30)
-    single = first_keys(make_image_text_loader(str(out), num_workers=0, **args), 3)
-    two = first_keys(make_image_text_loader(str(out), num_workers=2, **args), 6)
-    assert two == first_keys(make_image_text_loader(str(out), num_workers=2, **args), 6)
+    single = first_keys(make_image_text_loader(str(out), ReadSpec(num_workers=0, **args)), 3)
+    two = first_keys(make_image_text_loader(str(out), ReadSpec(num_workers=2, **args)), 6)
+    assert two == first_keys(make_image_text_loader(str(out), ReadSpec(num_workers=2, **args)), 6)
     # the DataLoader alternates workers; worker 0 is seeded exactly like the in-process reader (worker id 0)
     assert two[0::2] == single
     assert two[1::2] != two[0::2]
@@ -368,7 +369,7 @@ def test_loader_skips_bad_samples_and_shards(tmp_path):
     garbage.write_bytes(b"\x00not a tar at all" * 50)
 
     shards = [shard, clean, str(truncated), str(garbage)]
-    loader = make_image_text_loader(shards, resolution=8, batch_size=4, shuffle_buffer=20)
+    loader = make_image_text_loader(shards, ReadSpec(resolution=8, batch_size=4, shuffle_buffer=20))
     seen = collections.Counter()
     for batch in itertools.islice(loader, 40):
         seen.update(batch["keys"])
@@ -383,7 +384,7 @@ def test_loader_skips_bad_samples_and_shards(tmp_path):
 
 def test_loader_with_nothing_usable_fails_with_one_line(tmp_path):
     shard = write_tar(tmp_path / "allbad.tar", [{"__key__": f"k{i}", "jpg": b"junk", "txt": b"c"} for i in range(20)])
-    loader = make_image_text_loader(shard, resolution=8, batch_size=2, shuffle_buffer=0)
+    loader = make_image_text_loader(shard, ReadSpec(resolution=8, batch_size=2, shuffle_buffer=0))
     with pytest.raises(RuntimeError, match="no usable sample") as info:
         next(iter(loader))
     assert "allbad.tar" in str(info.value) and "\n" not in str(info.value)

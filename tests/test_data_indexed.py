@@ -24,6 +24,7 @@ from data.images import image_to_tensor, resize_center_crop
 from data.index import load_or_build_index
 from data.indexed import IndexedShards, make_indexed_loader
 from data.order import IndexedBatchSampler, batches_per_epoch, feistel_permute
+from data.read_spec import ReadSpec
 from data.synthetic import write_synthetic_shards
 
 RES = 16
@@ -156,14 +157,14 @@ def test_truncated_shard_keeps_its_complete_samples(synth, tmp_path):
 def test_pipes_and_compressed_shards_fail_with_one_line(synth, tmp_path):
     for url in ("pipe:curl -s http://host/shard-{000..003}.tar", [synth[1][0], "pipe:cat a.tar"]):
         with pytest.raises(ValueError, match=PIPES_STREAM):
-            make_indexed_loader(url, RES, 2)
+            make_indexed_loader(url, ReadSpec(resolution=RES, batch_size=2))
     _, paths = synth
     gz = tmp_path / "shard.tar.gz"
     gz.write_bytes(gzip.compress(open(paths[0], "rb").read()))
     with pytest.raises(ValueError, match="needs uncompressed .tar shards.*gzip"):
-        make_indexed_loader(str(gz), RES, 2)
+        make_indexed_loader(str(gz), ReadSpec(resolution=RES, batch_size=2))
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        make_indexed_loader(paths[3], RES, batch_size=4, world_size=2)  # 7 samples < 2 x 4
+        make_indexed_loader(paths[3], ReadSpec(resolution=RES, batch_size=4, world_size=2))  # 7 samples < 2 x 4
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def test_ranks_get_equal_disjoint_batches(n, world, batch):
 
 def test_loader_batches(synth):
     folder, _ = synth
-    loader = make_indexed_loader(folder, RES, batch_size=4, seed=2)
+    loader = make_indexed_loader(folder, ReadSpec(resolution=RES, batch_size=4, seed=2))
     assert loader.batches_per_epoch == 9
     batches = list(itertools.islice(loader, 18))  # two epochs
     for b in batches:
@@ -259,14 +260,15 @@ def test_exact_resume_across_epochs_and_ranks(synth, shard_window):
     folder, _ = synth
     args = dict(resolution=RES, batch_size=4, seed=7, world_size=3, shard_window=shard_window)
     for rank in range(3):
-        full = keys_of(make_indexed_loader(folder, rank=rank, **args), 8)  # 3 batches per epoch: epochs 0, 1, 2
+        full = keys_of(make_indexed_loader(folder, ReadSpec(rank=rank, **args)), 8)  # 3 per epoch: epochs 0, 1, 2
         for k in (1, 2, 3, 5):
-            resumed = make_indexed_loader(folder, rank=rank, batches_done=k, **args)
+            resumed = make_indexed_loader(folder, ReadSpec(rank=rank, batches_done=k, **args))
             assert keys_of(resumed, 8 - k) == full[k:], (rank, k)
     # resume at step s with grad_accum g: batches_done = s * g
     step, grad_accum = 2, 2
-    full = list(itertools.islice(make_indexed_loader(folder, rank=1, **args), 7))
-    resumed = list(itertools.islice(make_indexed_loader(folder, rank=1, batches_done=step * grad_accum, **args), 3))
+    full = list(itertools.islice(make_indexed_loader(folder, ReadSpec(rank=1, **args)), 7))
+    spec = ReadSpec(rank=1, batches_done=step * grad_accum, **args)
+    resumed = list(itertools.islice(make_indexed_loader(folder, spec), 3))
     for a, b in zip(full[4:], resumed):
         assert a["keys"] == b["keys"] and a["captions"] == b["captions"] and torch.equal(a["pixels"], b["pixels"])
 
@@ -276,7 +278,7 @@ def test_resume_does_not_decode_skipped_samples(synth, monkeypatch):
     decoded = []
     real = IndexedShards.raw
     monkeypatch.setattr(IndexedShards, "raw", lambda self, i: decoded.append(i) or real(self, i))
-    loader = make_indexed_loader(folder, RES, batch_size=4, batches_done=1000)
+    loader = make_indexed_loader(folder, ReadSpec(resolution=RES, batch_size=4, batches_done=1000))
     batch = next(iter(loader))
     assert len(decoded) == 4 and batch["keys"] == [loader.dataset[i]["key"] for i in loader.sampler.batch_indices(1000)]
 
@@ -284,8 +286,8 @@ def test_resume_does_not_decode_skipped_samples(synth, monkeypatch):
 def test_workers_give_the_same_order_as_in_process(synth):
     folder, _ = synth
     args = dict(resolution=RES, batch_size=4, seed=11, world_size=2, rank=1, batches_done=2)
-    single = list(itertools.islice(make_indexed_loader(folder, num_workers=0, **args), 7))  # crosses an epoch
-    two = list(itertools.islice(make_indexed_loader(folder, num_workers=2, **args), 7))
+    single = list(itertools.islice(make_indexed_loader(folder, ReadSpec(num_workers=0, **args)), 7))  # a new epoch
+    two = list(itertools.islice(make_indexed_loader(folder, ReadSpec(num_workers=2, **args)), 7))
     assert [b["keys"] for b in two] == [b["keys"] for b in single]
     assert all(torch.equal(a["pixels"], b["pixels"]) for a, b in zip(single, two))
 
@@ -309,7 +311,7 @@ def test_bad_samples_are_replaced_deterministically_and_counted(bad_shard):
     substitute = dict(zip(range(8), [0, 2, 2, 4, 4, 5, 6, 0]))
     runs = []
     for workers in (0, 2):
-        loader = make_indexed_loader(bad_shard, RES, batch_size=2, num_workers=workers, seed=4)
+        loader = make_indexed_loader(bad_shard, ReadSpec(resolution=RES, batch_size=2, num_workers=workers, seed=4))
         assert loader.batches_per_epoch == 4
         batches = keys_of(loader, 8)  # two epochs
         runs.append(batches)
@@ -364,6 +366,7 @@ def test_creating_and_iterating_a_loader_leaves_the_global_rng_alone(tmp_path):
 
     shards = write_synthetic_shards(tmp_path / "s", num_samples=8, samples_per_shard=8, resolution=32)
     before = torch.get_rng_state()
-    loader = make_indexed_loader(shards, resolution=32, batch_size=2, index_dir=tmp_path / "idx")
+    index = load_or_build_index(shards, index_dir=tmp_path / "idx")
+    loader = make_indexed_loader(index, ReadSpec(batch_size=2, resolution=32))
     next(iter(loader))
     assert torch.equal(before, torch.get_rng_state())

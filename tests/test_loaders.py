@@ -1,5 +1,5 @@
-"""data/loaders.py: the reader a run's data settings choose, the combinations refused before any reading, and the
-index built by the main process first."""
+"""data.stream.open_loader and data.read_spec.ReadSpec: the reader a run's data settings choose, the combinations
+refused before any reading, and the index built by the main process first, once."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import itertools
 import pytest
 import torch
 
-import data.loaders as loaders
+import data.stream as stream
 from data.indexed import IndexedLoader, make_indexed_loader
-from data.loaders import build_loader, choose_mode
+from data.read_spec import ReadSpec
+from data.stream import choose_mode, open_loader
 from data.streaming import make_image_text_loader
 from data.synthetic import write_synthetic_shards
 
@@ -19,8 +20,7 @@ RES = 16
 LOCAL = ["/data/shards/000000.tar", "/data/shards/000001.tar"]
 REMOTE = ["/data/shards/000000.tar", "pipe:curl -s https://example.com/000001.tar"]
 MANIFEST = {"resolution": RES}  # any manifest: the shards hold precomputed features
-ARGS = dict(resolution=RES, batch_size=2, num_workers=0, seed=3, rank=0, world_size=1, caption_field="caption",
-            min_size=0, shuffle_buffer=10, bucketing=False, bucket_divisor=16, batches_done=0)
+SPEC = ReadSpec(resolution=RES, batch_size=2, seed=3, shuffle_buffer=10)
 
 
 @pytest.fixture(scope="module")
@@ -53,52 +53,69 @@ def test_mode_choice():
 def test_bucketing_is_refused_without_indexed_image_shards(shard_list, mode, manifest, why):
     message = f"data.bucketing=true needs image shards read in indexed mode: {why}"
     with pytest.raises(ValueError) as info:
-        build_loader(shard_list, mode, **{**ARGS, "bucketing": True}, manifest=manifest)
+        open_loader(shard_list, SPEC.replace(bucketing=True), mode=mode, manifest=manifest)
     assert str(info.value) == message
+
+
+class Processes:
+    """The run's processes as `open_loader` sees them, recording when the main process goes first."""
+
+    def __init__(self, events):
+        self.events = events
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        self.events.append("enter")
+        yield
+        self.events.append("exit")
 
 
 def test_indexed_mode_builds_the_index_inside_main_process_first(shards, monkeypatch):
     events = []
-    real_index = loaders.load_or_build_index
-    monkeypatch.setattr(loaders, "load_or_build_index",
+    real_index = stream.load_or_build_index
+    monkeypatch.setattr(stream, "load_or_build_index",
                         lambda urls, cache: events.append(("index", urls)) or real_index(urls, cache=cache))
-
-    @contextlib.contextmanager
-    def main_process_first():
-        events.append("enter")
-        yield
-        events.append("exit")
-
-    loader = build_loader(shards, "auto", **{**ARGS, "batches_done": 5}, main_process_first=main_process_first)
+    loader = open_loader(shards, SPEC.replace(batches_done=5), processes=Processes(events))
     assert events == ["enter", ("index", shards), "exit"]
     assert isinstance(loader, IndexedLoader) and loader.start_batch == 5 and loader.buckets is None
-    want = make_indexed_loader(shards, RES, 2, seed=3, batches_done=5)
+    want = make_indexed_loader(shards, ReadSpec(resolution=RES, batch_size=2, seed=3, batches_done=5))
     assert keys(loader, 4) == keys(want, 4)
 
-    bucketed = build_loader(shards, "indexed", **{**ARGS, "bucketing": True})
-    assert bucketed.buckets is not None
-    assert keys(bucketed, 3) == keys(make_indexed_loader(shards, RES, 2, seed=3, bucketing=True), 3)
+    events.clear()  # an index the caller loaded is used as it is
+    bucketed = open_loader(shards, SPEC.replace(bucketing=True), mode="indexed", index=real_index(shards, cache=None))
+    assert events == [] and bucketed.buckets is not None
+    assert keys(bucketed, 3) == keys(make_indexed_loader(shards, SPEC.replace(bucketing=True)), 3)
 
 
 def test_streaming_mode_resumes_its_stream_from_the_batches_done(shards):
-    loader = build_loader(shards, "streaming", **{**ARGS, "batches_done": 4})
+    loader = open_loader(shards, SPEC.replace(batches_done=4), mode="streaming")
     assert isinstance(loader, torch.utils.data.DataLoader)
-    want = make_image_text_loader(shards, RES, 2, seed=3, batches_done=4, shuffle_buffer=10)
-    assert keys(loader, 3) == keys(want, 3)
-    other = make_image_text_loader(shards, RES, 2, seed=3, batches_done=0, shuffle_buffer=10)
-    assert keys(loader, 6) != keys(other, 6)
+    assert keys(loader, 3) == keys(make_image_text_loader(shards, SPEC.replace(batches_done=4)), 3)
+    assert keys(loader, 6) != keys(make_image_text_loader(shards, SPEC), 6)
 
 
 def test_a_manifest_reads_precomputed_shards_from_the_batches_done(monkeypatch):
     calls = []
-    monkeypatch.setattr(loaders, "load_or_build_index", lambda urls, cache: calls.append(("index", urls)))
-    monkeypatch.setattr(loaders, "make_precomputed_loader", lambda *a, **k: calls.append((a, k)) or "loader")
-    args = {**ARGS, "rank": 1, "world_size": 2, "batches_done": 7}
-    assert build_loader(LOCAL, "streaming", **args, manifest=MANIFEST) == "loader"
-    kept = {"manifest": MANIFEST, "num_threads": 0, "sampler": None, "cache": None, "shard_window": 0}
-    assert calls == [("index", LOCAL), ((LOCAL, 2, 0, 3, 1, 2, 7), kept)]
-    calls.clear()
-    assert build_loader(LOCAL, "auto", **args, manifest=MANIFEST, loader_threads=2) == "loader"
-    assert calls[1] == ((LOCAL, 2, 0, 3, 1, 2, 7), {**kept, "num_threads": 2})
+    monkeypatch.setattr(stream, "load_or_build_index", lambda urls, cache: calls.append(("index", urls)) or "index")
+    monkeypatch.setattr(stream, "make_precomputed_loader", lambda *a, **k: calls.append((a, k)) or "loader")
+    spec = SPEC.replace(rank=1, world_size=2, batches_done=7)
+    assert open_loader(LOCAL, spec, mode="streaming", manifest=MANIFEST) == "loader"
+    assert calls == [("index", LOCAL), (("index", spec), {"manifest": MANIFEST, "sampler": None, "cache": None})]
+    threads = spec.replace(loader_threads=2)
+    assert open_loader(LOCAL, threads, manifest=MANIFEST) == "loader" and calls[-1][0] == ("index", threads)
     with pytest.raises(ValueError, match="needs precomputed features and data.num_workers=0 .these shards are images"):
-        build_loader(LOCAL, "auto", **args, loader_threads=2)
+        open_loader(LOCAL, threads)  # image shards: refused before any is read
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(batch_size=0), "need batch_size >= 1 (got batch_size=0)"),
+    (dict(resolution=0, min_size=-1), "need resolution >= 1, min_size >= 0 (got resolution=0, min_size=-1)"),
+    (dict(num_workers=-1), "need num_workers >= 0 (got num_workers=-1)"),
+    (dict(rank=2, world_size=2), "rank 2 is outside world_size 2"),
+    (dict(loader_threads=1, num_workers=1), "data.loader_threads=1 needs precomputed features and data.num_workers=0"),
+    (dict(bucketing=True, shard_window=2), "aspect-ratio bucketing reads samples in a uniform order"),
+])
+def test_a_read_spec_refuses_what_no_reader_can_read(changes, message):
+    with pytest.raises(ValueError) as info:
+        SPEC.replace(**changes)
+    assert str(info.value).startswith(message)

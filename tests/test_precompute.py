@@ -36,6 +36,7 @@ from data.precomputed import (
     sample_latents,
     unpack_batch,
 )
+from data.read_spec import ReadSpec
 from data.synthetic import write_synthetic_shards
 from models.text_encoder import TextConditioner, load_text_encoder
 from models.vae import encode_images, load_vae
@@ -319,7 +320,7 @@ def keys_of(loader, n: int) -> list[list[str]]:
 def test_loader_resumes_exactly_with_equal_batches_per_rank(reference):
     out, _ = reference
     args = dict(batch_size=2, seed=4, world_size=3)
-    loaders = [make_precomputed_loader(out, rank=r, **args) for r in range(3)]
+    loaders = [make_precomputed_loader(out, ReadSpec(rank=r, **args)) for r in range(3)]
     assert [ld.batches_per_epoch for ld in loaders] == [GOOD // 6] * 3  # 4 each, the remainder is dropped
     full = [list(itertools.islice(ld, 10)) for ld in loaders]  # crosses two epoch boundaries
     ds = PrecomputedShards(out)
@@ -341,9 +342,10 @@ def test_loader_resumes_exactly_with_equal_batches_per_rank(reference):
     assert len(epoch0) == len(set(epoch0)) == 24  # ranks are disjoint within an epoch
     for rank in range(3):
         for start in (1, 4, 5):
-            resumed = make_precomputed_loader(out, rank=rank, batches_done=start, **args)
+            resumed = make_precomputed_loader(out, ReadSpec(rank=rank, batches_done=start, **args))
             assert keys_of(resumed, 10 - start) == [b["keys"] for b in full[rank][start:]], (rank, start)
-    resumed = list(itertools.islice(make_precomputed_loader(out, rank=1, batches_done=5, num_workers=2, **args), 3))
+    resumed = list(itertools.islice(make_precomputed_loader(out, ReadSpec(rank=1, batches_done=5, num_workers=2,
+                                                                          **args)), 3))
     for a, b in zip(full[1][5:], resumed):
         assert a["keys"] == b["keys"] and a["captions"] == b["captions"]
         assert all(torch.equal(a[k], b[k]) for k in ("latent_moments", "text_states", "text_lengths"))
@@ -354,16 +356,16 @@ def test_reader_threads_give_the_same_batches_and_kept_batches_are_never_overwri
     out, _ = reference
     args = dict(batch_size=3, seed=2, world_size=2, rank=1, batches_done=2)
     tensors = ("latent_moments", "text_states", "text_lengths")
-    plain = list(itertools.islice(make_precomputed_loader(out, **args), 12))  # 12 > one epoch of 4 batches
+    plain = list(itertools.islice(make_precomputed_loader(out, ReadSpec(**args)), 12))  # 12 > one epoch of 4 batches
     for threads in (1, 3):
-        loader = make_precomputed_loader(out, num_threads=threads, **args)
+        loader = make_precomputed_loader(out, ReadSpec(loader_threads=threads, **args))
         threaded = list(itertools.islice(loader, 12))  # every batch kept: none may share memory with a later one
         for a, b in zip(plain, threaded):
             assert a["keys"] == b["keys"] and a["captions"] == b["captions"]
             assert all(torch.equal(a[k], b[k]) for k in tensors)
         assert loader.stats.good == 36 and loader.stats.bad == {}
-    with pytest.raises(ValueError, match="loader threads"):
-        make_precomputed_loader(out, batch_size=2, num_workers=1, num_threads=1)
+    with pytest.raises(ValueError, match="loader_threads=1 needs precomputed features and data.num_workers=0"):
+        make_precomputed_loader(out, ReadSpec(batch_size=2, num_workers=1, loader_threads=1))
 
     # in-process batches reuse the memory of batches that are gone, and only theirs
     ds = PrecomputedShards(out)
@@ -432,7 +434,8 @@ def test_command_line_and_reader_needs_no_encoders(inputs, reference, tmp_path, 
     script = (
         "import sys\n"
         "from data.precomputed import make_precomputed_loader, load_null_text, sample_latents, unpack_batch\n"
-        f"loader = make_precomputed_loader({str(out)!r}, batch_size=4)\n"
+        "from data.read_spec import ReadSpec\n"
+        f"loader = make_precomputed_loader({str(out)!r}, ReadSpec(batch_size=4))\n"
         "b = unpack_batch(next(iter(loader)), loader.manifest); e, m = load_null_text(loader.manifest)\n"
         "z = sample_latents(b['latent_mean'], b['latent_logvar'], loader.manifest['vae_scaling_factor'])\n"
         "loaded = [n for n in sys.modules if n.split('.')[0] in ('models', 'diffusers', 'transformers')]\n"

@@ -30,6 +30,7 @@ from PIL import Image
 
 from data.index import load_or_build_index
 from data.indexed import make_indexed_loader
+from data.read_spec import ReadSpec
 from data.sources import ShardsSource
 from data.streaming import make_image_text_loader
 from data.settings import BALANCE_RULES
@@ -288,8 +289,8 @@ def clean_set(tmp_path_factory):
         with open(path, "rb") as f:
             blob = f.read()
         shards[name] = (blob, _sample_ends(blob))
-    loader = make_image_text_loader([str(folder / "a.tar"), str(folder / "b.tar")], RES, 1, shuffle_buffer=0,
-                                    resampled=False)
+    loader = make_image_text_loader([str(folder / "a.tar"), str(folder / "b.tar")],
+                                    ReadSpec(resolution=RES, batch_size=1, shuffle_buffer=0), resampled=False)
     clean = {b["keys"][0]: (b["captions"][0], b["pixels"][0]) for b in loader}
     assert sorted(clean) == ["a0", "a1", "a2", "a3", "a4", "b0", "b1", "b2", "b3", "b4"]
     return CleanSet((shards, clean))
@@ -384,7 +385,7 @@ def test_indexed_reader_survives_damaged_shards(clean_set, data):
         try:
             index = load_or_build_index(paths)
             assert len(index) >= len(expected)
-            loader = make_indexed_loader(paths, RES, batch_size=1)
+            loader = make_indexed_loader(paths, ReadSpec(resolution=RES, batch_size=1))
             delivered = {b["keys"][0]: (b["captions"][0], b["pixels"][0])
                          for b in itertools.islice(loader, loader.batches_per_epoch)}
         except (ValueError, RuntimeError) as err:  # no samples indexed / none usable: documented one-liners
@@ -408,7 +409,8 @@ def test_streaming_reader_survives_damaged_shards(clean_set, data):
     folder = tempfile.mkdtemp()
     try:
         paths, expected = _write_damaged(folder, clean_set, case)
-        loader = make_image_text_loader(paths, RES, 1, shuffle_buffer=0, resampled=False)
+        loader = make_image_text_loader(paths, ReadSpec(resolution=RES, batch_size=1, shuffle_buffer=0),
+                                        resampled=False)
         try:
             delivered = {b["keys"][0]: (b["captions"][0], b["pixels"][0]) for b in loader}
         except RuntimeError as err:  # "no usable sample after N failures": documented, one line

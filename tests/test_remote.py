@@ -19,6 +19,7 @@ import torch
 from data import remote
 from data.index import load_or_build_index
 from data.indexed import make_indexed_loader
+from data.read_spec import ReadSpec
 from data.remote import ShardCache, ShardChanged, StoreBudget, parse_size
 from data.skips import UNREADABLE_SHARD
 from data.synthetic import write_synthetic_shards
@@ -57,7 +58,7 @@ def s3(monkeypatch, tmp_path):
 
 
 def batches(urls, cache=None, n=8, **kw):
-    loader = make_indexed_loader(urls, RES, batch_size=3, seed=11, cache=cache, **kw)
+    loader = make_indexed_loader(urls, ReadSpec(resolution=RES, batch_size=3, seed=11, **kw), cache=cache)
     return loader, [(b["keys"], b["pixels"]) for b in itertools.islice(loader, n)]
 
 
@@ -290,8 +291,9 @@ def test_precomputed_features_on_the_store_read_like_the_local_ones(local, s3, t
     for a, b in zip(load_null_text(manifest), load_null_text(here)):
         assert torch.equal(a, b)
     urls = expand_urls("s3://features/set/*.tar")
-    remote_batches = make_precomputed_loader(urls, 4, manifest=manifest, cache=ShardCache(tmp_path / "cache"))
-    local_batches = make_precomputed_loader(str(out), 4, manifest=here)
+    remote_batches = make_precomputed_loader(urls, ReadSpec(batch_size=4), manifest=manifest,
+                                             cache=ShardCache(tmp_path / "cache"))
+    local_batches = make_precomputed_loader(str(out), ReadSpec(batch_size=4), manifest=here)
     for got, want in itertools.islice(zip(remote_batches, local_batches), 5):
         assert got["keys"] == want["keys"] and torch.equal(got["latent_moments"], want["latent_moments"])
     # a small file that is missing, or holds no JSON object, reads as no manifest

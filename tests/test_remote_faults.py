@@ -16,6 +16,7 @@ import torch
 from data import remote
 from data.index import load_or_build_index
 from data.indexed import IndexedShards, TooManyBadShards, make_indexed_loader
+from data.read_spec import ReadSpec
 from data.remote import ShardCache, ShardChanged, StoreBudget, StoreUnreachable
 from data.skips import UNREADABLE_SHARD, NoUsableSamples
 from data.synthetic import write_synthetic_shards
@@ -56,7 +57,7 @@ def store(monkeypatch, tmp_path):
 
 
 def keys_and_pixels(urls, cache=None, n=8, **kw):
-    loader = make_indexed_loader(urls, RES, batch_size=3, seed=11, cache=cache, **kw)
+    loader = make_indexed_loader(urls, ReadSpec(resolution=RES, batch_size=3, seed=11, **kw), cache=cache)
     return loader, [(b["keys"], b["pixels"]) for b in itertools.islice(loader, n)]
 
 
@@ -262,7 +263,7 @@ def test_a_hung_store_ends_a_loader_with_workers_within_its_deadline_with_one_li
     cache = ShardCache(tmp_path / "cache", limit=1, budget=budget)
     index = load_or_build_index(urls, cache=cache)
     proxy.set("hang")
-    loader = make_indexed_loader(index, RES, batch_size=3, seed=11, num_workers=2)
+    loader = make_indexed_loader(index, ReadSpec(resolution=RES, batch_size=3, seed=11, num_workers=2))
     start = time.monotonic()
     with pytest.raises(StoreUnreachable) as dead:
         next(iter(loader))

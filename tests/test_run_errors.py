@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from data.indexed import make_indexed_loader
+from data.read_spec import ReadSpec
 from data.skips import NoUsableSamples
 from data.streaming import make_image_text_loader
 from data.synthetic import write_synthetic_shards
@@ -65,12 +66,12 @@ def shards(tmp_path_factory):
 def test_the_indexed_loader_refuses_a_min_size_above_every_image_before_reading(shards):
     with pytest.raises(ValueError, match=r"data.min_size=33: no image in .* is that large \(the largest shorter side "
                                          r"is 32 px\); lower data.min_size"):
-        make_indexed_loader(shards, resolution=32, batch_size=2, min_size=33)
-    make_indexed_loader(shards, resolution=32, batch_size=2, min_size=32)  # every image is 32 px: all usable
+        make_indexed_loader(shards, ReadSpec(resolution=32, batch_size=2, min_size=33))
+    make_indexed_loader(shards, ReadSpec(resolution=32, batch_size=2, min_size=32))  # every image is 32 px: all usable
 
 
 def test_the_streaming_reader_names_data_min_size_when_every_image_was_too_small(shards):
-    loader = make_image_text_loader(shards, resolution=32, batch_size=2, shuffle_buffer=0, min_size=33)
+    loader = make_image_text_loader(shards, ReadSpec(resolution=32, batch_size=2, shuffle_buffer=0, min_size=33))
     with pytest.raises(NoUsableSamples, match="every image read is smaller than data.min_size") as info:
         next(iter(loader))
     assert "\n" not in str(info.value) and isinstance(info.value, RuntimeError)

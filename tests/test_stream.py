@@ -77,6 +77,18 @@ def test_the_stream_is_built_from_the_data_settings_in_one_call(shards, tmp_path
     assert reader_fingerprint(stream.loader) == IndexedShards(shards, 32).fingerprint()
 
 
+def test_every_read_setting_of_the_run_reaches_its_reader(shards, tmp_path):
+    accelerator = Accelerator(cpu=True)
+    cfg = load_config(["data.resolution=16", "data.batch_size=2", f"data.shards={os.path.dirname(shards[0])}",
+                       "data.caption_field=alt", "data.min_size=8", "data.shard_window=2", "data.num_workers=0",
+                       f"train.output_dir={tmp_path}"])
+    stream = make_stream(cfg.data, accelerator, training_sources(cfg, accelerator, tmp_path), seed=7,
+                         samples_done=6, manifest=None, bucket_divisor=16, plan_folder=tmp_path / "data")
+    reader, order = stream.loader.dataset, stream.loader.sampler
+    assert reader.decoding() == {"resolution": 16, "caption_field": "alt", "min_size": 8}
+    assert (order.batch_size, order.seed, order.start_batch, order.shard_window) == (2, 7, 3, 2)
+
+
 def test_a_given_order_replaces_the_plans_and_the_plans_order_gets_the_seed_and_the_shard_window(shards, tmp_path):
     accelerator = Accelerator(cpu=True)
     cfg = load_config(["data.resolution=32", "data.batch_size=4", f"data.shards={os.path.dirname(shards[0])}",

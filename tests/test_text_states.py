@@ -25,6 +25,7 @@ from data.precomputed import (
     npy_bytes,
     unpack_batch,
 )
+from data.read_spec import ReadSpec
 from data.synthetic import write_synthetic_shards
 from data.text_states import TEXT_DTYPES, bytes_per_token, check_stored, encode_states, states_from_numpy
 from models.text_encoder import TextConditioner, load_text_encoder
@@ -141,7 +142,7 @@ def test_int8_features_are_recorded_read_back_and_close_to_float16(features):
                           atol=2 ** -25)
 
     # the loader's packed int8 batch, unpacked, equals the sample-by-sample decoding
-    batch = next(iter(make_precomputed_loader(features["int8"], batch_size=3, num_workers=1)))
+    batch = next(iter(make_precomputed_loader(features["int8"], ReadSpec(batch_size=3, num_workers=1))))
     assert batch["text_states"].dtype == torch.int8 and batch["text_scale"].shape == batch["text_states"].shape[:1]
     inputs = unpack_batch(batch, compact)
     position = {ds_int8[i]["key"]: i for i in range(len(ds_int8))}

@@ -18,6 +18,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from data.read_spec import ReadSpec
 import data.writers as writers
 from data.images import image_to_tensor, resize_center_crop
 from data.index import load_or_build_index
@@ -51,14 +52,14 @@ def all_samples(paths) -> dict[str, dict[str, bytes]]:
 
 def indexed_read(spec) -> dict[str, str]:
     """key -> caption over one epoch of the indexed loader (batch 1: every sample once)."""
-    loader = make_indexed_loader(spec, RES, batch_size=1)
+    loader = make_indexed_loader(spec, ReadSpec(resolution=RES, batch_size=1))
     got = {k: c for b in itertools.islice(loader, loader.batches_per_epoch) for k, c in zip(b["keys"], b["captions"])}
     assert loader.stats.bad == {} and loader.stats.shards_bad == {}
     return got
 
 
 def streaming_read(spec) -> dict[str, str]:
-    loader = make_image_text_loader(spec, RES, batch_size=1, shuffle_buffer=0, resampled=False)
+    loader = make_image_text_loader(spec, ReadSpec(resolution=RES, batch_size=1, shuffle_buffer=0), resampled=False)
     got = {k: c for b in loader for k, c in zip(b["keys"], b["captions"])}
     assert loader.dataset.stats.bad == {} and loader.dataset.stats.shards_bad == {}
     return got
@@ -172,7 +173,7 @@ def test_folder_to_shards_and_back_through_both_loaders(src, tmp_path):
     expected = {key: good[rel][1].strip() for key, rel in zip(samples, order)}
     assert indexed_read(str(out)) == expected
     assert streaming_read(str(out)) == expected
-    loader = make_indexed_loader(str(out), RES, batch_size=6)
+    loader = make_indexed_loader(str(out), ReadSpec(resolution=RES, batch_size=6))
     batch = next(iter(loader))
     i = batch["keys"].index("000000002")  # b/bird.png
     want = image_to_tensor(resize_center_crop(Image.open(io.BytesIO(good["b/bird.png"][0])), RES))
@@ -196,7 +197,8 @@ def test_output_is_deterministic_for_any_workers_and_keeps_uncaptioned_on_reques
     assert keep.written == 8 and keep.skipped["missing or empty caption"] == 0
     captions = {json.loads(s["json"])["source"]: s["txt"] for s in all_samples(keep.shards).values()}
     assert captions["a/no-caption.png"] == b"" and captions["a/empty-caption.png"] == b""
-    loader = make_indexed_loader(str(tmp_path / "keep"), RES, batch_size=1)  # the reader skips empty captions
+    # the reader skips empty captions
+    loader = make_indexed_loader(str(tmp_path / "keep"), ReadSpec(resolution=RES, batch_size=1))
     keys = {k for b in itertools.islice(loader, loader.batches_per_epoch) for k in b["keys"]}
     assert len(keys) == 6 and loader.stats.bad == {"missing or empty caption": 2}
 

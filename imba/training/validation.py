@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from data.loaders import build_loader
+from data.read_spec import ReadSpec
 from data.seeds import derive_seed
+from data.stream import open_loader
 from data.synthetic import write_synthetic_shards
 from data.urls import expand_urls
 from imba.training.build import precomputed_manifest
@@ -74,10 +75,8 @@ class Validator:
             raise ConfigError(f"data.val_shards must be {kinds[manifest is None]} like data.shards, not "
                               f"{kinds[val_manifest is None]}")
         try:
-            loader = build_loader(shards, "indexed", **d.decoding(), batch_size=1, num_workers=0,
-                                  seed=cfg.train.seed, rank=0, world_size=1, shuffle_buffer=0, bucketing=False,
-                                  bucket_divisor=1, batches_done=0, manifest=val_manifest,
-                                  main_process_first=accelerator.main_process_first, cache=d.cache())
+            loader = open_loader(shards, ReadSpec(**d.decoding(), batch_size=1, seed=cfg.train.seed), mode="indexed",
+                                 manifest=val_manifest, cache=d.cache(), processes=accelerator)
         except ValueError as err:  # settings these shards cannot serve (data.min_size above every image)
             raise ConfigError(f"data.val_shards: {err}") from err
         total = min(d.val_samples, len(loader.dataset))
