@@ -339,9 +339,9 @@ def make_indexed_loader(
     shards: str | Sequence[str] | ShardIndex, spec: ReadSpec, *,
     sampler: StreamBatchSampler | WeightedBucketSampler | None = None, cache: ShardCache | None = None,
 ) -> IndexedLoader:
-    """Infinite, exactly resumable loader over tar shards (a spec, a list of URLs, or their loaded `ShardIndex`;
-    local, or remote read through `cache`, a `data.remote.ShardCache`) read as `spec` says; the same batches as
-    `make_image_text_loader`.
+    """Infinite, exactly resumable loader over tar shards (a shard spec such as a folder or a brace pattern, a list
+    of URLs, or their loaded `ShardIndex`; local, or remote read through `cache`, a `data.remote.ShardCache`) read as
+    `spec` says; the same batches as `make_image_text_loader`.
 
     `spec.batches_done` = batches this rank already consumed (step * grad_accum after a resume): the first batch is
     the one an uninterrupted run would draw next. Every rank gets `loader.batches_per_epoch` batches per epoch.
