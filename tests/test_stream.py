@@ -88,6 +88,15 @@ def test_every_read_setting_of_the_run_reaches_its_reader(shards, tmp_path):
     assert reader.decoding() == {"resolution": 16, "caption_field": "alt", "min_size": 8}
     assert (order.batch_size, order.seed, order.start_batch, order.shard_window) == (2, 7, 3, 2)
 
+    def loader(*settings):
+        cfg = load_config(["data.resolution=32", "data.batch_size=2", f"data.shards={os.path.dirname(shards[0])}",
+                           f"train.output_dir={tmp_path}", *settings])
+        return make_stream(cfg.data, accelerator, training_sources(cfg, accelerator, tmp_path), seed=0,
+                           samples_done=0, manifest=None, bucket_divisor=16, plan_folder=tmp_path / "data").loader
+
+    assert loader("data.bucketing=true").buckets is not None and loader().buckets is None
+    assert loader("data.mode=streaming", "data.num_workers=1").num_workers == 1
+
 
 def test_a_given_order_replaces_the_plans_and_the_plans_order_gets_the_seed_and_the_shard_window(shards, tmp_path):
     accelerator = Accelerator(cpu=True)
