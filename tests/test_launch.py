@@ -530,7 +530,7 @@ def test_node_launch_with_real_accelerate_forwards_usr1(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(timeout=300)[0][-3000:]
             time.sleep(0.1)
         proc.send_signal(signal.SIGUSR1)
-        output, _ = proc.communicate(timeout=60)
+        output, _ = proc.communicate(timeout=300)  # a hang guard: TimeoutExpired says "timed out"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -173,7 +173,7 @@ def test_threads_yield_the_samplers_order_through_their_own_copies(threads, batc
         assert {thread for m, thread in _CALLS if m == maker} == {makers[maker]}
 
 
-_MEETING = threading.Barrier(2, timeout=30)
+_MEETING = threading.Barrier(2, timeout=120)
 
 
 class _Meeting(_Numbers):
