@@ -99,7 +99,7 @@ def prepare_data(args) -> dict[str, Any]:
     if args.precomputed:
         if not os.path.isdir(os.path.expanduser(args.precomputed)):
             raise FileNotFoundError(f"--precomputed {args.precomputed}: no such folder (give the output folder of "
-                                    f"python -m data.precompute)")
+                                    f"python -m data.prep.precompute)")
         manifest = load_manifest(os.path.expanduser(args.precomputed))
         if args.resolution_given and args.resolution != manifest["resolution"]:
             raise ValueError(f"--resolution {args.resolution} differs from the precomputed resolution "

@@ -1,7 +1,8 @@
-"""bytes -> tensors: shard reading, image transforms, writers, precompute, synthetic data, concept statistics.
+"""bytes -> tensors: shard reading, image transforms, precompute, synthetic data, concept statistics; `data.prep`:
+the offline tools (shard writers, the precompute and concepts command lines), which a run never imports.
 
-Never imports imba or train; only the precompute command imports models (it runs the frozen VAE and T5), to which
-it passes the synthetic captions' words as the tiny-words tokenizer's vocabulary.
+Never imports imba or train; only the precompute job and its command line import models (the job runs the frozen
+VAE and T5, to which it passes the synthetic captions' words as the tiny-words tokenizer's vocabulary).
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""The precomputed-features format (what `python -m data.precompute` writes) and its reader for training.
+"""The precomputed-features format (what `python -m data.prep.precompute` writes) and its reader for training.
 
 A precompute output folder holds tar shards with the keys of the input shards, `null_text.npy` (the T5 state of
 the empty caption, the unconditional embedding IMBA and caption dropout use, stored like `KEY.t5.npy`), and, once
@@ -193,8 +193,8 @@ def load_manifest(where: str | os.PathLike | Sequence[str]) -> dict[str, Any]:
     manifest = read_remote_json(path) if is_indexable_remote(path) else read_json_object(path)
     if manifest is None or manifest.get("__kind__") != FORMAT_KIND:
         raise FileNotFoundError(f"no precompute manifest at {path}: the folder is not precomputed, or its precompute "
-                                f"did not finish (run `python -m data.precompute IN_SHARDS {os.path.dirname(path)} "
-                                "...` again: it completes it)")
+                                "did not finish (run `python -m data.prep.precompute IN_SHARDS "
+                                f"{os.path.dirname(path)} ...` again: it completes it)")
     version, text_dtype = manifest.get("version"), manifest.get("text_dtype")
     if version not in READABLE_VERSIONS:
         raise ValueError(f"{path} is precompute format version {version}, this code reads versions "

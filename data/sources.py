@@ -273,7 +273,7 @@ def check_same_kind(sources: Sequence[Source]) -> dict[str, Any] | None:
     images = [s.name for s, m in zip(sources, manifests) if m is None]
     if precomputed and images:
         raise ValueError(f"data.sources: {', '.join(precomputed)} hold precomputed features, {', '.join(images)} "
-                         f"image shards; mix sources of one kind (python -m data.precompute the image shards)")
+                         f"image shards; mix sources of one kind (python -m data.prep.precompute the image shards)")
     if not precomputed:
         return None
     first = manifests[0]

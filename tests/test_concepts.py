@@ -1,5 +1,6 @@
-"""Concept statistics (data/concepts/): extraction, counts from shards and caption files, buckets, NPMI,
-outputs, the inert-concept benchmark builder and the synthetic set's long tail."""
+"""Concept statistics (data/concepts/, and their command line and benchmark builder in data/prep/): extraction,
+counts from shards and caption files, buckets, NPMI, outputs, the inert-concept benchmark builder and the synthetic
+set's long tail."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from data import concepts as C
 from data.balance import NoBalance, TemperatureBalance, build_concept_table, entry_counts
 from data.draw_plan import entry_table, index_captions, load_entry_table, plan_fingerprint
 from data.index import load_or_build_index, parse_sample
+from data.prep import concepts as cli
+from data.prep.benchmark import TEMPLATES, build_benchmark
 from data.sources import ShardsSource, SourceMix, resolve_sources
 from data.synthetic import COLOURS, SHAPES, write_synthetic_shards
 from shard_helpers import png, write_tar
@@ -400,7 +403,7 @@ def test_cooccurrence_table_from_captions():
 
 def test_cli_writes_tables_plot_and_reports(shard_dir, tmp_path, capsys):
     out = tmp_path / "stats"
-    assert C.main(["--shards", str(shard_dir), "--out", str(out), "--no-progress", "--min-pair-count", "1"]) == 0
+    assert cli.main(["--shards", str(shard_dir), "--out", str(out), "--no-progress", "--min-pair-count", "1"]) == 0
     printed = capsys.readouterr().out
     assert "read 8 captions" in printed and "spurious" in printed
     with open(out / "concepts.csv", newline="") as f:
@@ -424,10 +427,10 @@ def test_cli_writes_tables_plot_and_reports(shard_dir, tmp_path, capsys):
 
 
 def test_cli_one_line_errors(tmp_path, capsys):
-    assert C.main(["--shards", str(tmp_path / "nothing-{000000..000003}.tar"), "--out", str(tmp_path / "o")]) == 2
-    assert C.main(["--captions", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")]) == 2
-    assert C.main(["--out", str(tmp_path / "o")]) == 2
-    assert C.main(["build-benchmark", "--stats", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json")]) == 2
+    assert cli.main(["--shards", str(tmp_path / "nothing-{000000..000003}.tar"), "--out", str(tmp_path / "o")]) == 2
+    assert cli.main(["--captions", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert cli.main(["--out", str(tmp_path / "o")]) == 2
+    assert cli.main(["build-benchmark", "--stats", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
 
@@ -441,9 +444,9 @@ def _zipf_stats(tmp_path: Path) -> Path:
 
 def test_benchmark_builder_is_deterministic_and_names_its_concepts(tmp_path, capsys):
     stats_path = _zipf_stats(tmp_path)
-    a = C.build_benchmark(stats_path, per_bin=5, num_pairs=50, captions_per_pair=4, seed=0)
-    assert a == C.build_benchmark(stats_path, per_bin=5, num_pairs=50, captions_per_pair=4, seed=0)
-    assert a != C.build_benchmark(stats_path, per_bin=5, num_pairs=50, captions_per_pair=4, seed=1)
+    a = build_benchmark(stats_path, per_bin=5, num_pairs=50, captions_per_pair=4, seed=0)
+    assert a == build_benchmark(stats_path, per_bin=5, num_pairs=50, captions_per_pair=4, seed=0)
+    assert a != build_benchmark(stats_path, per_bin=5, num_pairs=50, captions_per_pair=4, seed=1)
     assert len(a) == 200
     counts = {r["concept"]: r for r in C.load_stats(stats_path)["concepts"]}
     pairs = Counter(frozenset(p["concepts"]) for p in a)
@@ -453,7 +456,7 @@ def test_benchmark_builder_is_deterministic_and_names_its_concepts(tmp_path, cap
         assert first != second and first in p["prompt"] and second in p["prompt"]
         assert p["prompt"] == p["template"].format(a=C.noun_phrase(first), b=C.noun_phrase(second))
         assert p["buckets"] == [counts[first]["bucket"], counts[second]["bucket"]]
-        assert p["template"] in C.TEMPLATES
+        assert p["template"] in TEMPLATES
     for pair in {frozenset(p["concepts"]) for p in a}:  # 4 distinct templates per pair
         assert len({p["template"] for p in a if frozenset(p["concepts"]) == pair}) == 4
     bins = Counter(tuple(sorted(p["bins"])) for p in a)
@@ -463,7 +466,7 @@ def test_benchmark_builder_is_deterministic_and_names_its_concepts(tmp_path, cap
     out = tmp_path / "prompts.json"
     argv = ["build-benchmark", "--stats", str(stats_path), "--out", str(out), "--per-bin", "5", "--pairs", "50",
             "--captions-per-pair", "4", "--seed", "0"]
-    assert C.main(argv) == 0
+    assert cli.main(argv) == 0
     assert json.loads(out.read_text()) == a and "200 prompts" in capsys.readouterr().out
 
 
@@ -495,7 +498,7 @@ def test_module_entry_point(tmp_path):
     caps = tmp_path / "caps.txt"
     caps.write_text("a cat on a mat\na dog\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "data.concepts", "--captions", str(caps), "--out",
+    run = subprocess.run([sys.executable, "-m", "data.prep.concepts", "--captions", str(caps), "--out",
                           str(tmp_path / "out"), "--no-progress"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -520,24 +523,24 @@ def test_benchmark_leaves_out_pairs_seen_together(tmp_path, capsys):
     concepts = {"cat", "dog", "horse", "bird", "car", "tree", "bench"}
     every = {frozenset(p) for p in itertools.combinations(sorted(concepts), 2)}
     args = dict(per_bin=10, num_pairs=100, captions_per_pair=1, num_bins=1)
-    inert = {frozenset(p["concepts"]) for p in C.build_benchmark(path, **args)}
+    inert = {frozenset(p["concepts"]) for p in build_benchmark(path, **args)}
     assert inert == every - together  # all 21 - 5 pairs, none of them seen together
-    allowed = {frozenset(p["concepts"]) for p in C.build_benchmark(path, allow_cooccurring=True, **args)}
+    allowed = {frozenset(p["concepts"]) for p in build_benchmark(path, allow_cooccurring=True, **args)}
     assert allowed == every
 
     out = tmp_path / "prompts.json"
     base = ["build-benchmark", "--stats", str(path), "--out", str(out), "--pairs", "100", "--per-bin", "10",
             "--captions-per-pair", "1", "--bins", "1"]
-    assert C.main(base) == 0
+    assert cli.main(base) == 0
     assert {frozenset(p["concepts"]) for p in json.loads(out.read_text())} == every - together
-    assert C.main(base + ["--allow-cooccurring"]) == 0
+    assert cli.main(base + ["--allow-cooccurring"]) == 0
     assert {frozenset(p["concepts"]) for p in json.loads(out.read_text())} == every
 
     old = dict(payload)  # statistics written before pair counts were recorded: one-line error naming the fix
     del old["pairs"]
     with pytest.raises(ValueError, match="no pair counts.*--allow-cooccurring"):
-        C.build_benchmark(old, **args)
-    assert {frozenset(p["concepts"]) for p in C.build_benchmark(old, allow_cooccurring=True, **args)} == every
+        build_benchmark(old, **args)
+    assert {frozenset(p["concepts"]) for p in build_benchmark(old, allow_cooccurring=True, **args)} == every
 
 
 def test_caption_files_read_each_format_and_count_what_they_skip(tmp_path):

@@ -6,7 +6,8 @@ What is checked, in README.md, docs/**/*.md, launch/README.md and bench/README.m
   `imba.training.config.load_config`, so an unknown key, a value of the wrong type or a missing `--config` file
   fails here exactly as it would stop the real run;
 - every `python -m MODULE …` and `python bench/SCRIPT.py …` answers `--help` with exit status 0, and every
-  `--flag` the docs pass it appears in that help (the sub-command's help for `data.writers folder …` and the like);
+  `--flag` the docs pass it appears in that help (the sub-command's help for `data.prep.writers folder …` and the
+  like);
 - every relative link and image resolves to a file, and every `#anchor` to a heading of the target file.
 
 Commands are read from shell code blocks (```bash, ```sh, plain ```) and from inline code spans; synopsis notation
@@ -365,7 +366,8 @@ def is_project_module(name: str) -> bool:
 
 
 def help_target(command: Command) -> tuple[str, ...]:
-    """The interpreter arguments that run `command`'s module or script: ("-m", "data.writers") or ("bench/x.py",)."""
+    """The interpreter arguments that run `command`'s module or script: ("-m", "data.prep.writers") or
+    ("bench/x.py",)."""
     return ("-m", command.target) if command.kind == "module" else (command.target,)
 
 
@@ -561,21 +563,22 @@ def _markdown(tmp_path: Path, text: str, name: str = "doc.md") -> Path:
 
 def test_extraction_reads_prompts_env_vars_continuations_comments_and_synopses(tmp_path):
     doc = _markdown(tmp_path, (
-        "Run `python -m data.writers folder\\|table SRC OUT` or, in a table:\n\n"
+        "Run `python -m data.prep.writers folder\\|table SRC OUT` or, in a table:\n\n"
         "| `python train.py [--config FILE] [key=value ...] [--resume latest\\|none\\|DIR]` | train |\n\n"
         "```bash\n"
         "# a comment\n"
         "$ OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python3 train.py --config configs/tiny.yaml \\\n"
         "    loss.lam=0.5   # see README.md#loss\n"
-        "accelerate launch --num_processes 2 -m data.precompute in/ out/ --resolution 64 && python bench/toy2d.py\n"
+        "accelerate launch --num_processes 2 -m data.prep.precompute in/ out/ --resolution 64 "
+        "&& python bench/toy2d.py\n"
         "python -c 'print(1)'\n"
         "```\n"))
     got = [(c.line, c.kind, c.target, c.args) for c in commands_in_file(doc)]
     assert got == [
         (7, "train", "train.py", ("--config", "configs/tiny.yaml", "loss.lam=0.5")),
-        (9, "module", "data.precompute", ("in/", "out/", "--resolution", "64")),
+        (9, "module", "data.prep.precompute", ("in/", "out/", "--resolution", "64")),
         (9, "script", "bench/toy2d.py", ()),
-        (1, "module", "data.writers", ("folder|table", "SRC", "OUT")),
+        (1, "module", "data.prep.writers", ("folder|table", "SRC", "OUT")),
         (3, "train", "train.py", ("--config", "FILE", "key=value", "...", "--resume", "latest|none|DIR")),
     ]
     assert train_failures(commands_in_file(doc)) == []
@@ -614,18 +617,18 @@ def test_link_checker_reports_a_missing_file_and_a_missing_anchor(tmp_path):
 def test_module_checker_reports_flags_missing_from_the_help(tmp_path):
     doc = _markdown(tmp_path, (
         "```bash\n"
-        "python -m data.writers folder photos/ shards/ --samples-per-shard 10 --image-column image\n"
+        "python -m data.prep.writers folder photos/ shards/ --samples-per-shard 10 --image-column image\n"
         "python bench/composition.py --quick --no-such-flag\n"
-        "python -m data.writers folders photos/ shards/\n"
-        "python -m data.concepts --shardz 'shards/{0..9}.tar' --out stats/\n"
+        "python -m data.prep.writers folders photos/ shards/\n"
+        "python -m data.prep.concepts --shardz 'shards/{0..9}.tar' --out stats/\n"
         "```\n"))
-    writers = "python -m data.writers folder photos/ shards/ --samples-per-shard 10 --image-column image"
+    writers = "python -m data.prep.writers folder photos/ shards/ --samples-per-shard 10 --image-column image"
     assert module_failures(commands_in_file(doc)) == [
-        f"{doc}:2: {writers}: --image-column is not in `python -m data.writers folder --help`",  # table's flag
+        f"{doc}:2: {writers}: --image-column is not in `python -m data.prep.writers folder --help`",  # table's flag
         f"{doc}:3: python bench/composition.py --quick --no-such-flag: "
         "--no-such-flag is not in `python bench/composition.py --help`",
-        f"{doc}:4: python -m data.writers folders photos/ shards/: "
+        f"{doc}:4: python -m data.prep.writers folders photos/ shards/: "
         "unknown sub-command 'folders' (choices: folder, table)",
-        f"{doc}:5: python -m data.concepts --shardz 'shards/{{0..9}}.tar' --out stats/: "
-        "--shardz is not in `python -m data.concepts stats --help`",  # the sub-command its help marks (default)
+        f"{doc}:5: python -m data.prep.concepts --shardz 'shards/{{0..9}}.tar' --out stats/: "
+        "--shardz is not in `python -m data.prep.concepts stats --help`",  # the sub-command its help marks (default)
     ]

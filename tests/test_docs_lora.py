@@ -79,7 +79,7 @@ def test_the_lora_recipe_runs_as_written_on_a_users_photos(tmp_path):
     commands, snippet = recipe()
     write_photos(tmp_path / "photos")
     trains = [c for c in commands if c.kind == "train"]
-    assert [c.kind for c in commands] == ["train", "module", "train"] and commands[1].target == "data.writers"
+    assert [c.kind for c in commands] == ["train", "module", "train"] and commands[1].target == "data.prep.writers"
     lora = dict(a.split("=", 1) for a in trains[-1].args if "=" in a)
     # the points a user stumbled on: its own output folder, the encoder the base was trained with, named
     assert lora.get("train.output_dir") and lora.get("model.text_encoder") == "tiny"

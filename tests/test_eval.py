@@ -188,7 +188,7 @@ def test_success_means_every_answer_is_yes():
 
 
 def test_loads_the_inert_concept_benchmark_as_written_by_data_concepts(tmp_path):
-    from data.concepts import build_benchmark
+    from data.prep.benchmark import build_benchmark
 
     stats = {"concepts": [{"concept": c, "count": n, "bucket": b} for c, n, b in [
         ("dog", 500, "head"), ("cat", 300, "head"), ("kite", 40, "torso"), ("anvil", 5, "tail"),

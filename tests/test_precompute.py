@@ -1,6 +1,7 @@
-"""data/precompute.py, data/precomputed.py: precomputed VAE moments and T5 states round-trip against the live
-encoders, interrupted and split runs produce the same shards as one clean run, and the loader over them keeps the
-indexed reader's exact resume and equal batches per rank. Tiny random VAE/T5, real tar shards, no download."""
+"""data/precompute.py (and its command line, data/prep/precompute.py), data/precomputed.py: precomputed VAE
+moments and T5 states round-trip against the live encoders, interrupted and split runs produce the same shards as
+one clean run, and the loader over them keeps the indexed reader's exact resume and equal batches per rank. Tiny
+random VAE/T5, real tar shards, no download."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from PIL import Image
 
 import data.precompute as precompute
 import data.precomputed as precomputed
+import data.prep.precompute as precompute_cli
 from data.indexed import IndexedShards
 from data.precompute import PrecomputeSettings, precompute_shards
 from data.precomputed import (
@@ -411,8 +413,8 @@ def assert_same_features(folder, reference_folder) -> None:
 
 def test_command_line_and_reader_needs_no_encoders(inputs, reference, tmp_path, capsys):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "data.precompute", os.path.dirname(inputs[0]), str(out), "--resolution", str(RES),
-           "--max-text-tokens", str(TOKENS), "--vae", "tiny", "--batch-size", "4", "--num-workers", "2"]
+    cmd = [sys.executable, "-m", "data.prep.precompute", os.path.dirname(inputs[0]), str(out), "--resolution",
+           str(RES), "--max-text-tokens", str(TOKENS), "--vae", "tiny", "--batch-size", "4", "--num-workers", "2"]
     proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0/1: wrote 5 shards (29 samples; skipped 2 bad" in proc.stdout
@@ -422,11 +424,11 @@ def test_command_line_and_reader_needs_no_encoders(inputs, reference, tmp_path, 
     assert_same_features(out, reference[0])
 
     try:  # again, in this process: nothing left to do
-        assert precompute.main(cmd[3:]) == 0
+        assert precompute_cli.main(cmd[3:]) == 0
         printed = capsys.readouterr().out
         assert "rank 0/1: wrote 0 shards (0 samples; skipped 0 bad: none), 5 already complete" in printed
         with pytest.raises(ValueError, match="other settings.*resolution"):
-            precompute.main([*cmd[3:5], "--resolution", "64"])
+            precompute_cli.main([*cmd[3:5], "--resolution", "64"])
     finally:
         PartialState._reset_state()  # main() made this process's accelerate state: leave none to later tests
 
@@ -458,7 +460,7 @@ def test_accelerate_launch_splits_shards_over_two_processes(inputs, reference, t
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", "-m", "data.precompute", *inputs, str(out), "--resolution", str(RES),
+           "--dynamo_backend", "no", "-m", "data.prep.precompute", *inputs, str(out), "--resolution", str(RES),
            "--max-text-tokens", str(TOKENS), "--vae", "tiny", "--batch-size", "4", "--num-workers", "0"]
     env = {**run_env(), "ACCELERATE_USE_CPU": "true"}  # the CPU form that really starts 2 processes
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,5 @@
-"""data.precompute=true: a run encodes its shards once, exactly as `python -m data.precompute` does, and reuses them."""
+"""data.precompute=true: a run encodes its shards once, exactly as `python -m data.prep.precompute` does, and reuses
+them."""
 
 import os
 

@@ -46,7 +46,7 @@ def pixels(out, row):
     return np.asarray(Image.open(out / row["image"]), dtype=np.int16)
 
 
-BENCHMARK = [  # the shape of data.concepts.build_benchmark's entries
+BENCHMARK = [  # the shape of data.prep.benchmark.build_benchmark's entries
     {"prompt": "a photo of a zebra and a piano", "concepts": ["zebra", "piano"], "counts": [3, 90],
      "buckets": ["tail", "head"], "bins": [0, 5], "template": "a photo of {a} and {b}"},
     {"prompt": "a kite next to an anvil", "concepts": ["kite", "anvil"], "counts": [40, 2],

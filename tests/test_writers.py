@@ -1,4 +1,4 @@
-"""data/writers/: folders and tables -> img2dataset-layout shards, read back through the project's real loaders."""
+"""data/prep/writers/: folders and tables -> img2dataset-layout shards, read back through the project's real loaders."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import webdataset as wds
 from PIL import Image
 
 from data.read_spec import ReadSpec
-import data.writers as writers
+import data.prep.writers as writers
 from data.images import image_to_tensor, resize_center_crop
 from data.index import load_or_build_index
 from data.indexed import make_indexed_loader
@@ -326,9 +326,9 @@ def test_cli(src, tmp_path):
     root, _, skips = src
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "data.writers", "folder", str(root), str(out), "--samples-per-shard",
-                          "4", "--min-size", "5", "--no-progress"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "data.prep.writers", "folder", str(root), str(out),
+                          "--samples-per-shard", "4", "--min-size", "5", "--no-progress"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert f"wrote 6 samples in 2 shards to {out}; skipped 12 (bad image: 2, caption without an image: 2," in run.stdout
     assert f"train with data.shards={out}" in run.stdout

@@ -1,8 +1,11 @@
-"""Concept statistics of a caption set: frequencies, head/torso/tail buckets, co-occurrence, inert-concept prompts.
+"""Concept statistics of a caption set: frequencies, head/torso/tail buckets, co-occurrence, the statistics files.
 
-    python -m data.concepts --shards 'shards/part-{000000..000009}.tar' --out stats/
-    python -m data.concepts --captions captions.jsonl --out stats/
-    python -m data.concepts build-benchmark --stats stats/concepts.json --out prompts.json
+A run reads them (the per-bucket monitoring, the text check); the command that writes them, and the inert-concept
+benchmark built from them, are `data.prep`'s:
+
+    python -m data.prep.concepts --shards 'shards/part-{000000..000009}.tar' --out stats/
+    python -m data.prep.concepts --captions captions.jsonl --out stats/
+    python -m data.prep.concepts build-benchmark --stats stats/concepts.json --out prompts.json
 
 One module per step, each documenting its definitions; the words themselves (tokenising, plural folding, English
 articles: "an apple", "some water") are `data.text`'s, which the evaluation (`imba.eval`) shares:
@@ -14,20 +17,17 @@ articles: "an apple", "some water") are `data.text`'s, which the evaluation (`im
   cooccurrence  NPMI of the pairs of frequent concepts: the spurious correlations a model may learn
   stats         the statistics files (concepts.csv, concepts.json, long_tail.png, cooccurrence.csv) and reading
                 them back (`load_stats`, `load_buckets`, `CaptionBucketer`)
-  benchmark     the inert-concept composition prompts built from concepts.json
-  cli           `python -m data.concepts stats | build-benchmark`
   plot          long_tail.png, and the bucket colours, style and figure that `imba.plots` draws with too
                 (matplotlib; not imported here)
 
-Outputs of `stats` (in --out): concepts.csv, concepts.json, long_tail.png, cooccurrence.csv.
+Outputs of `python -m data.prep.concepts stats` (in --out): concepts.csv, concepts.json, long_tail.png,
+cooccurrence.csv.
 """
 
 from ..text import noun_phrase, singularize, tokenize, with_article
 
-from .benchmark import TEMPLATES, build_benchmark, log_frequency_bins
 from .buckets import BUCKETS, assign_buckets, bucket_summary, caption_bucket, caption_buckets
 from .captions import iter_caption_file, iter_shard_captions
-from .cli import main
 from .cooccurrence import cooccurrence_table, npmi
 from .counting import ConceptStats, collect_stats, count_concepts
 from .stats import PLOT_SIZE, STATS_FORMAT, CaptionBucketer, extractor_from_stats, load_buckets, load_stats, write_stats
@@ -45,7 +45,6 @@ from .vocab import (
 __all__ = [
     "DEFAULT_VOCAB_PATH",
     "BUCKETS",
-    "TEMPLATES",
     "PLOT_SIZE",
     "STATS_FORMAT",
     "ExtractorUnavailable",
@@ -75,7 +74,4 @@ __all__ = [
     "load_stats",
     "load_buckets",
     "extractor_from_stats",
-    "log_frequency_bins",
-    "build_benchmark",
-    "main",
 ]

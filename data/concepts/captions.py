@@ -15,7 +15,7 @@ from ..tars import split_key_ext, walk_tar
 
 __all__ = ["iter_shard_captions", "iter_caption_file"]
 
-log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.concepts` print it
+log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.prep.concepts` print it
 
 _CAPTION_MEMBERS = ("txt", "json")
 

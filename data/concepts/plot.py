@@ -1,7 +1,7 @@
 """The figure of the concept statistics, and what every figure of the project draws with.
 
 - ``plot_long_tail``: rank–frequency of concepts (log–log), coloured by head/torso/tail bucket (long_tail.png of
-  ``python -m data.concepts stats``).
+  ``python -m data.prep.concepts stats``).
 - The shared pieces: the colour of each bucket (``BUCKET_COLOURS``, the colour-blind-safe Okabe–Ito blue, orange
   and bluish green, the same in every figure; ``bucket_colour``, ``ordered_buckets``), the style (``STYLE``,
   ``DPI``) and ``figure``, a figure of exactly ``size`` pixels saved as PNG. They live here because the buckets are

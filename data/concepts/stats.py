@@ -123,12 +123,13 @@ def load_stats(path: str | os.PathLike) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "concepts.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"concept statistics {path!r} not found: run `python -m data.concepts --out DIR` first")
+        raise FileNotFoundError(f"concept statistics {path!r} not found: run "
+                                "`python -m data.prep.concepts --out DIR` first")
     with open(path, encoding="utf-8") as f:
         try:
             payload = json.load(f)
         except ValueError as exn:
-            raise ValueError(f"{path} is not valid JSON ({exn}); rerun `python -m data.concepts`") from None
+            raise ValueError(f"{path} is not valid JSON ({exn}); rerun `python -m data.prep.concepts`") from None
     if not isinstance(payload, dict) or payload.get("format") != STATS_FORMAT:
         raise ValueError(f"{path} is not a concepts.json written by data.concepts (format {STATS_FORMAT})")
     return payload

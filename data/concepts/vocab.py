@@ -38,7 +38,7 @@ __all__ = [
     "extract_batch",
 ]
 
-log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.concepts` print it
+log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.prep.concepts` print it
 
 DEFAULT_VOCAB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "concept_vocab.txt")
 

@@ -5,7 +5,7 @@
 
 `prompts` and `summary` need only the standard library (and numpy); `vqa` and `clip_score` load transformers
 models. Of the rest of the project, it uses `data.text`'s English-word helpers (the articles of the prompts, which
-`data.concepts` writes with the same functions) and nothing else of `data/` or `models/`: the sampler's manifest and
-the benchmark JSON are the contract. Like `imba.training`, it is run from the checkout, where `data/` is;
+`data.prep.benchmark` writes with the same functions) and nothing else of `data/` or `models/`: the sampler's
+manifest and the benchmark JSON are the contract. Like `imba.training`, it is run from the checkout, where `data/` is;
 import-linter and tests/test_layers.py check the imports.
 """

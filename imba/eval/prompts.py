@@ -3,7 +3,7 @@
 `concepts` are the phrases a VQA model is asked about, one question each ("Is there a red car in the image?"), so
 they carry their attributes ("red car") but no article. Accepted files (`load_prompts`):
 
-- **Inert-concept benchmark** (`python -m data.concepts build-benchmark`): a JSON list of
+- **Inert-concept benchmark** (`python -m data.prep.concepts build-benchmark`): a JSON list of
   {"prompt", "concepts": [a, b], "counts", "buckets", "bins", "template"}; kept as is (buckets drive the summary).
 - **LC-Mis style** (a concept pair per prompt; JSON list or JSONL of objects). Fields:
     prompt (required)                       "a zebra playing a piano"

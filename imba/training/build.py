@@ -51,7 +51,7 @@ def load_vae_alone(cfg: Config, device):
 
 
 def precomputed_manifest(cfg: Config, shards, key: str = "data.shards") -> dict | None:
-    """The manifest of `shards` if `python -m data.precompute` wrote them for this run's encoders, resolution and
+    """The manifest of `shards` if `python -m data.prep.precompute` wrote them for this run's encoders, resolution and
     text length; None for image shards; a one-line `ConfigError` (naming `key`) for features of other settings."""
     try:
         return find_manifest(shards, resolution=cfg.data.resolution, **cfg.model.encoders())
@@ -61,7 +61,7 @@ def precomputed_manifest(cfg: Config, shards, key: str = "data.shards") -> dict 
 
 def load_features(cfg: Config, shards, device) -> tuple[FrozenEncoders | PrecomputedFeatures, dict | None]:
     """(what turns a batch of `shards` into latents and text states, the precomputed manifest or None). Shards
-    written by `python -m data.precompute` already hold both: then neither the VAE nor T5 is loaded to train."""
+    written by `python -m data.prep.precompute` already hold both: then neither the VAE nor T5 is loaded to train."""
     manifest = precomputed_manifest(cfg, shards)
     return (PrecomputedFeatures(manifest, device) if manifest else load_encoders(cfg, device)), manifest
 

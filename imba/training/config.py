@@ -113,7 +113,7 @@ class TrainConfig:
     max_bad_steps: int = 20
     trackers: str = "tensorboard"  # accelerate trackers, comma-separated, or "none"; JSONL is always written
     # IMBA monitor: IMBA distance and conditional loss per head/torso/tail bucket of the captions' concepts.
-    # A concepts.json from `python -m data.concepts stats`; auto = computed for the synthetic data, off for
+    # A concepts.json from `python -m data.prep.concepts stats`; auto = computed for the synthetic data, off for
     # data.shards (counting a large set at start-up would stall the job); none = off
     concept_stats: str = "auto"
 

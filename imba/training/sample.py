@@ -9,7 +9,7 @@ first, once, into `<run>/export_<step>` next to `<run>/checkpoints`), or a hub i
 
 Prompt files: `.txt` (one prompt per line; blank lines and lines starting with `#` are skipped) or `.json`/`.jsonl`
 (a list of strings, or of objects with a "prompt" key and any other fields, e.g. the inert-concept benchmark of
-`python -m data.concepts build-benchmark`; the other fields are copied into the manifest).
+`python -m data.prep.concepts build-benchmark`; the other fields are copied into the manifest).
 
 Writes into --out:
     images/00000.png ...   one PNG per image, numbered by global image index = prompt_index × n + sample_index

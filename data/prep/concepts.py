@@ -1,4 +1,5 @@
-"""`python -m data.concepts`: concept statistics of a caption set, and the inert-concept benchmark built from them."""
+"""`python -m data.prep.concepts`: concept statistics of a caption set, and the inert-concept benchmark built from
+them (`data.concepts` computes and writes the statistics; `data.prep.benchmark` builds the prompts)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,22 @@ import sys
 from collections import Counter
 from typing import Sequence
 
+from ..concepts.buckets import BUCKET_ORDER, BUCKETS
+from ..concepts.cooccurrence import cooccurrence_table
+from ..concepts.counting import ConceptStats, collect_stats
+from ..concepts.stats import load_stats, write_stats
+from ..concepts.vocab import DEFAULT_VOCAB_PATH, ExtractorUnavailable, make_extractor
+
 from .benchmark import build_benchmark
-from .buckets import BUCKET_ORDER, BUCKETS
-from .cooccurrence import cooccurrence_table
-from .counting import ConceptStats, collect_stats
-from .stats import load_stats, write_stats
-from .vocab import DEFAULT_VOCAB_PATH, ExtractorUnavailable, make_extractor
 
 __all__ = ["main"]
 
 _DESCRIPTION = """\
 Concept statistics of a caption set and an inert-concept benchmark built from them.
 
-  stats (default)   python -m data.concepts --shards 'shards/{000000..000009}.tar' --out stats/
-                    python -m data.concepts --captions captions.jsonl --out stats/
-  build-benchmark   python -m data.concepts build-benchmark --stats stats/concepts.json --out prompts.json
+  stats (default)   python -m data.prep.concepts --shards 'shards/{000000..000009}.tar' --out stats/
+                    python -m data.prep.concepts --captions captions.jsonl --out stats/
+  build-benchmark   python -m data.prep.concepts build-benchmark --stats stats/concepts.json --out prompts.json
 
 `stats` writes into --out:
   concepts.csv      concept, count (captions mentioning it), fraction of captions, rank, bucket
@@ -35,13 +37,12 @@ Concept statistics of a caption set and an inert-concept benchmark built from th
   cooccurrence.csv  pairs of the top-K concepts: a, b, count_a, count_b, count_ab, npmi (highest first)
 and prints the most correlated pairs (spurious-correlation candidates) and frequent pairs never seen together.
 Buckets (default): head = most frequent concepts covering the first 50% of concept mentions, torso = next 30%,
-tail = the rest. Run `python -m data.concepts stats --help` for all options."""
+tail = the rest. Run `python -m data.prep.concepts stats --help` for all options."""
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m data.concepts", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="python -m data.prep.concepts", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{stats,build-benchmark}")
 
     st = sub.add_parser("stats", help="count concepts, write concepts.csv/.json, long_tail.png, cooccurrence.csv",
@@ -160,3 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, ExtractorUnavailable) as exn:
         print(f"error: {exn}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

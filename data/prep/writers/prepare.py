@@ -32,7 +32,7 @@ from .records import (
 
 __all__ = ["FORMAT_EXT", "PrepareOptions", "prepare_record", "ordered_parallel"]
 
-log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.writers` print it
+log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.prep.writers` print it
 
 FORMAT_EXT = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # MPO: multi-picture JPEG from cameras
 _RESERVED = ("key", "caption", "source", "width", "height")

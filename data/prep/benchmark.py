@@ -17,9 +17,8 @@ import os
 import random
 from typing import Any, Mapping, Sequence
 
+from ..concepts.stats import load_stats
 from ..text import noun_phrase
-
-from .stats import load_stats
 
 __all__ = ["TEMPLATES", "log_frequency_bins", "build_benchmark"]
 
@@ -95,7 +94,7 @@ def build_benchmark(
     if not allow_cooccurring:
         if "pairs" not in stats:
             raise ValueError("these concept statistics hold no pair counts (written by an older data.concepts): "
-                             "rerun `python -m data.concepts stats`, or allow co-occurring pairs "
+                             "rerun `python -m data.prep.concepts stats`, or allow co-occurring pairs "
                              "(--allow-cooccurring)")
         together = {frozenset((a, b)) for a, b, k in stats["pairs"] if k > 0}
     if per_bin < 1 or num_pairs < 1 or captions_per_pair < 1:

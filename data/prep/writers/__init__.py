@@ -1,7 +1,7 @@
 """Write img2dataset-layout tar shards from a folder of captioned images or from a table, ready to train on.
 
-    python -m data.writers folder SRC_DIR OUT_DIR [--samples-per-shard 1000] [--prefix shard] [--workers 4]
-    python -m data.writers table TABLE OUT_DIR [--image-column image] [--caption-column caption] [...]
+    python -m data.prep.writers folder SRC_DIR OUT_DIR [--samples-per-shard 1000] [--prefix shard] [--workers 4]
+    python -m data.prep.writers table TABLE OUT_DIR [--image-column image] [--caption-column caption] [...]
 
 Output: `OUT_DIR/{prefix}-000000.tar`, ... Each sample `{key}` (a zero-padded running number, unique in the set)
 holds `{key}.jpg|png|webp` (the original bytes, never re-encoded; the extension follows the bytes' real format),

@@ -1,6 +1,6 @@
 """Write img2dataset-layout tar shards from a folder of captioned images or from a table, ready to train on.
 
-`python -m data.writers folder|table ...`: the command line of `write_folder` and `write_table`.
+`python -m data.prep.writers folder|table ...`: the command line of `write_folder` and `write_table`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m data.writers", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m data.prep.writers", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{folder,table}", required=True)
     folder = sub.add_parser("folder", help="images with sidecar .txt captions -> shards",

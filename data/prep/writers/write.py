@@ -18,13 +18,13 @@ from typing import Any, Iterable
 
 import webdataset as wds
 
-from ..files import atomic_write
+from ...files import atomic_write
 from .prepare import PrepareOptions, ordered_parallel, prepare_record
 from .records import IMAGE_SUFFIXES, Record, folder_listing, table_records
 
 __all__ = ["SHARD_NAME", "WriteSummary", "write_shards", "write_folder", "write_table"]
 
-log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.writers` print it
+log = logging.getLogger(__package__)  # the package's name, as the warnings of `python -m data.prep.writers` print it
 
 SHARD_NAME = "{prefix}-{index:06d}.tar"
 
@@ -206,7 +206,7 @@ def write_shards(
     summary_path = os.path.join(out_dir, f"{prefix}-summary.json")
     atomic_write(summary_path, (json.dumps(report, indent=1) + "\n").encode("utf-8"))
     if build_index:
-        from ..index import load_or_build_index
+        from ...index import load_or_build_index
 
         summary.index = load_or_build_index(summary.shards).path
     return summary
