@@ -17,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from imba.training.config import ConfigError, dump_config, flat_dict, help_text, load_config, save_config
+from imba.training.config import ConfigError, dump_config, flat_dict, load_config, save_config
+from imba.training.config_help import help_text
 
 if __name__ == "__main__":  # --help and a config that does not load are answered before torch and diffusers load
     if {"-h", "--help"} & set(sys.argv[1:]):

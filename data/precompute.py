@@ -339,3 +339,7 @@ def _write_shards(todo, out_dir, settings, encoders, batch_size, num_workers, re
             out.abort()
     report["bad"] = dict(sorted(bad.items()))
     report["shards_bad"] = dict(sorted(shards_bad.items()))
+
+
+if __name__ == "__main__":  # the module is the library; its command line is data/prep/precompute.py
+    raise SystemExit("error: the precompute command is python -m data.prep.precompute (--help for its options)")

@@ -98,7 +98,7 @@ def test_train_py_answers_help_and_config_mistakes_before_torch_is_imported(argv
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_train_py_help_prints_the_help_text(flag):
-    from imba.training.config import help_text
+    from imba.training.config_help import help_text
 
     proc = subprocess.run([sys.executable, "train.py", "loss.gama=0.5", flag], cwd=REPO, capture_output=True,
                           text=True, timeout=120)  # --help wins over a mistake beside it
@@ -109,7 +109,8 @@ def test_train_py_help_prints_the_help_text(flag):
 def test_the_help_text_lists_every_setting_with_its_default_and_rule():
     import dataclasses
 
-    from imba.training.config import Config, help_text
+    from imba.training.config import Config
+    from imba.training.config_help import help_text
     text = help_text()
     listed = [line for line in text.splitlines() if " default " in line]
     # a kind setting's settings are listed once for each kind that reads them, with the kind

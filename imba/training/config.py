@@ -11,7 +11,7 @@ that names the key and the fix; `train.py` prints it and exits.
 speed; `data/settings.py`: data; `imba/loss_settings.py`: loss; `imba/objective_settings.py`: objective; here: the
 training loop's optim, sample and train) and carries its own choices, ranges and checks, as `models/settings.py`
 describes. This module reads them generically: types from the fields, `CHOICES` as each value is read, then every
-section's `RANGES` and each `check()`.
+section's `RANGES` and each `check()`; `imba.training.config_help` writes `--help` from the same tables.
 
 Kind settings: `loss`, `objective` and `data.balance` take one of several kinds, each a dataclass of the settings
 that kind reads (`imba.loss_settings.LOSS_SETTINGS`, `imba.objective_settings.OBJECTIVE_SETTINGS`,
@@ -422,15 +422,15 @@ def _number(text: str) -> int | float:
     return int(text) if re.fullmatch(r"-?[0-9]+", text) else float(text)
 
 
-_SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name]  # section name → its dataclass
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name]  # section name → its dataclass
                               for f in dataclasses.fields(Config)}
 # every setting with kinds, a section (loss) or a section's setting (data.balance): dotted key → {kind: dataclass}
 KIND_SETTINGS: dict[str, dict[str, type]] = {**Config.KINDS, **{
-    f"{section}.{name}": registry for section, kind in _SECTIONS.items()
+    f"{section}.{name}": registry for section, kind in SECTIONS.items()
     for name, registry in getattr(kind, "KINDS", {}).items()}}
-_FIXED = {section: kind for section, kind in _SECTIONS.items() if section not in Config.KINDS}  # one dataclass
+_FIXED = {section: kind for section, kind in SECTIONS.items() if section not in Config.KINDS}  # one dataclass
 # every list of kinds (data.sources): dotted key → {kind: dataclass}
-ITEM_KIND_SETTINGS: dict[str, dict[str, type]] = {f"{section}.{name}": registry for section, kind in _SECTIONS.items()
+ITEM_KIND_SETTINGS: dict[str, dict[str, type]] = {f"{section}.{name}": registry for section, kind in SECTIONS.items()
                                                   for name, registry in getattr(kind, "ITEM_KINDS", {}).items()}
 
 # Every section's choices and ranges under their dotted keys (a range written wrongly fails here, at import)
@@ -505,71 +505,9 @@ def _validate(cfg: Config) -> None:
                           "samples them (objective.logit_mean, logit_std, shift)")
 
 
-USAGE = """usage: python train.py [--config FILE] [--resume latest|CHECKPOINT] [section.key=value ...]
-       python train.py --export CHECKPOINT_FOLDER [EXPORT_DIR]
-
-Precedence: the defaults below < the YAML file < the section.key=value overrides (values read as YAML).
-Each setting with its type, its default, and its allowed values or range; a section's own cross-field checks
-(e.g. data.balance.cap with data.balance=cap) run after these. A kind setting (data.balance) takes a kind's
-name, or its settings: data.balance=cap data.balance.cap=20000."""
-
-
 def written(value) -> str:
     """A setting's value as an override writes it (YAML: true, null, [a, b])."""
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...")
-
-
-def _kind_lines(key: str, default, registry: dict[str, type]) -> list[str]:
-    """--help's lines of a kind setting (`default`: its default value) or of a list of kinds (`default`: a list):
-    its kind, then each kind's settings."""
-    items = isinstance(default, list)
-    head = (f"{'list':<10} default {written(as_data(default))}; each item a kind, default {next(iter(registry))},"
-            if items else f"{'kind':<10} default {default.KIND},")
-    lines = [f"  {key:<34} {head} one of {', '.join(registry)}"]
-    ranges, prefix = (ITEM_KIND_RANGES, f"{key}[]") if items else (KIND_RANGES, key)
-    # the items' kinds share their weights: listed once
-    shared = set.intersection(*({f.name for f in dataclasses.fields(r)} for r in registry.values())) if items else set()
-    for n, (choice, rule) in enumerate(registry.items()):
-        hints = typing.get_type_hints(rule)
-        for f in dataclasses.fields(rule):
-            if f.name in shared and n:
-                continue
-            type_name = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
-            line = (f"  {f'{prefix}.{f.name}':<34} {type_name:<10} default {written(getattr(rule(), f.name))}"
-                    f" ({'every kind' if f.name in shared else f'kind {choice}'})")
-            if f.name in rule.CHOICES:
-                line += f", one of {', '.join(map(str, rule.CHOICES[f.name]))}"
-            elif f.name in rule.RANGES:
-                line += f", must be {ranges[f'{key}.{f.name}'][choice]}"
-            lines.append(line)
-    return lines
-
-
-def help_text() -> str:
-    """`train.py --help`: the usage, then every setting read from the section dataclasses (type, default, choices
-    or range), so the list cannot drift from what `load_config` accepts."""
-    lines = [USAGE]
-    defaults = Config()
-    for section, kind in _SECTIONS.items():
-        lines.append(f"\n{section}:")
-        if section in KIND_SETTINGS:
-            lines += _kind_lines(section, getattr(defaults, section), KIND_SETTINGS[section])
-            continue
-        hints = typing.get_type_hints(kind)
-        for f in dataclasses.fields(kind):
-            key, hint = f"{section}.{f.name}", hints[f.name]
-            default = getattr(getattr(defaults, section), f.name)
-            if registry := {**KIND_SETTINGS, **ITEM_KIND_SETTINGS}.get(key):
-                lines += _kind_lines(key, default, registry)
-                continue
-            type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-            line = f"  {key:<34} {type_name:<10} default {written(default)}"
-            if key in CHOICES:
-                line += f", one of {', '.join(map(str, CHOICES[key]))}"
-            elif key in RANGES:
-                line += f", must be {RANGES[key]}"
-            lines.append(line)
-    return "\n".join(lines)
 
 
 def as_data(value):
