@@ -17,6 +17,10 @@ its worker processes):
   sampler  for each N of `--sampler-sizes`: building a `WeightedOrder` + `StreamBatchSampler` over N random weights,
            the first batch (which builds the epoch's cumulative sums, O(N)), and the median of 200 later batches of
            `--batch-size` (O(batch log N): nearly flat in N).
+  clusters for each N of `--cluster-sizes`: balancing by image clusters (data.balance.by=images): k-means
+           (`data.image_clusters.kmeans`, k = sqrt(N)) over N rows of 64 features, what a 256 px latent pooled to
+           4 x 4 cells gives (drawn from a mixture of 200 Gaussians), then the temperature factors over the clusters.
+           Reading the features from precomputed shards comes on top (the run prints its rate).
 Reported: seconds and peak resident memory per stage, captions per second of the extraction.
 """
 
@@ -124,6 +128,22 @@ def stage_sampler(n: int, batch_size: int) -> dict:
             "batch_ms_median": 1000 * statistics.median(times), **peak_mb()}
 
 
+def stage_clusters(n: int) -> dict:
+    from data.balance import TemperatureBalance, balance_factors
+    from data.image_clusters import cluster_table, default_clusters, kmeans
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(200, 64))
+    features = centres[rng.integers(200, size=n)] + 0.5 * rng.normal(size=(n, 64))
+    start = time.perf_counter()
+    labels = kmeans(features, default_clusters(n), seed=0)
+    clustered = time.perf_counter()
+    balance_factors(cluster_table(labels), TemperatureBalance(0.5))
+    done = time.perf_counter()
+    return {"samples": n, "clusters": default_clusters(n), "kmeans_s": clustered - start,
+            "factors_s": done - clustered, **peak_mb()}
+
+
 def in_fresh_process(args: list[str]) -> dict:
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
     if proc.returncode:
@@ -137,11 +157,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workers", type=int, default=2, help="extraction processes (default 2)")
     p.add_argument("--sampler-sizes", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000],
                    help="N of the sampler stage (default 1e5 1e6 1e7)")
+    p.add_argument("--cluster-sizes", type=int, nargs="+", default=[100_000, 1_000_000],
+                   help="N of the clusters stage (default 1e5 1e6)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--smoke", action="store_true", help="20,000 captions, sampler sizes 1e3 1e4")
-    p.add_argument("--stage", choices=["weights", "sampler"], help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="20,000 captions, sampler sizes 1e3 1e4, clusters of 2,000")
+    p.add_argument("--stage", choices=["weights", "sampler", "clusters"], help=argparse.SUPPRESS)
     p.add_argument("--captions", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage == "weights":
@@ -150,8 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.stage == "sampler":
         print(json.dumps(stage_sampler(args.samples, args.batch_size)))
         return {}
+    if args.stage == "clusters":
+        print(json.dumps(stage_clusters(args.samples)))
+        return {}
     if args.smoke:
-        args.samples, args.sampler_sizes = 20_000, [1_000, 10_000]
+        args.samples, args.sampler_sizes, args.cluster_sizes = 20_000, [1_000, 10_000], [2_000]
     start = time.perf_counter()
     captions = write_captions(Path(args.cache_dir) / f"captions-{args.samples}.txt", args.samples)
     print(f"captions: {captions} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
@@ -162,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      "--workers", str(args.workers)]),
         "sampler": [in_fresh_process(["--stage", "sampler", "--samples", str(n), "--batch-size",
                                       str(args.batch_size)]) for n in args.sampler_sizes],
+        "clusters": [in_fresh_process(["--stage", "clusters", "--samples", str(n)]) for n in args.cluster_sizes],
     }
     w = results["weights"]
     print(f"weights of {w['samples']:,} captions ({w['entries']:,} entries, {w['entry_occurrences']:,} occurrences), "
@@ -172,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"sampler over {s['samples']:,}: build {s['build_s'] * 1000:.1f} ms, first batch {s['first_batch_s']:.2f} "
               f"s (the epoch's cumulative sums), then {s['batch_ms_median']:.2f} ms per batch of {args.batch_size}; "
               f"peak {s['self_mb']:,.0f} MB")
+    for c in results["clusters"]:
+        print(f"image clusters of {c['samples']:,} samples: k-means into {c['clusters']:,} in {c['kmeans_s']:.1f} s, "
+              f"factors {c['factors_s']:.2f} s; peak {c['self_mb']:,.0f} MB")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -14,9 +14,18 @@ Weights (a sample's balance factor; its source's share of the draws is kept, see
 - `temperature`, exponent α: factor = c_min^(-α), c_min the count of the sample's rarest entry. α = 0 is the
   natural stream; α = 1 draws the samples of each rarest entry about equally often in total (each entry's share
   ∝ c^(1-α)).
+- `spread`, share k: temperature with α set from the data rather than by hand: the largest α in [0, 1] whose draws
+  keep at least a share k of the natural stream's effective number of samples (the exponential of the draws'
+  entropy over samples). A mild tail gets α near 1 (few samples need many repeats), a steep one a smaller α (its
+  rarest samples would otherwise fill the epoch with repeats of a few images). For equal natural rates the share
+  falls as α grows, so the α is found by bisection.
 - `cap`, threshold t (MetaCLIP's balancing): p_e = min(1, t / c_e) and factor = 1 - Π_e (1 - p_e): a sample with
   any entry rarer than t keeps factor 1, samples whose entries are all common are drawn less, about t / c of them.
   MetaCLIP used t = 20,000 for 400M captions (their unit: captions per metadata entry).
+- `by` (temperature, spread, cap): what the entries are. "captions" (the default) the above; "images" one entry per
+  sample, its k-means cluster of the run's VAE latents (`data.image_clusters`), read from precomputed features, so
+  no caption is read for the weights; "both" the caption entries and the cluster together (the rarest of them
+  decides).
 - A caption with no known entry (empty, or no concept the vocabulary knows) is weighted as if its only entry were
   the most frequent one: it is never drawn more often than the head, and never dropped.
 
@@ -31,13 +40,14 @@ import contextlib
 import dataclasses
 import itertools
 import multiprocessing as mp
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["BalanceRule", "NoBalance", "TemperatureBalance", "CapBalance", "ConceptTable", "caption_entries",
-           "is_combination", "build_concept_table", "entry_counts", "reduce_over_entries", "balance_factors"]
+__all__ = ["BalanceRule", "NoBalance", "EntryRule", "TemperatureBalance", "SpreadBalance", "CapBalance", "ConceptTable",
+           "caption_entries", "is_combination", "build_concept_table", "entry_counts", "reduce_over_entries",
+           "balance_factors", "rarest_share", "effective_samples"]
 
 BIND_JOIN, PAIR_JOIN = ":", " + "  # attribute:object, object + object
 CHUNK = 20_000  # captions per extraction task
@@ -218,8 +228,35 @@ class NoBalance(BalanceRule):
         return np.ones(len(table))
 
 
+BY = ("captions", "images", "both")
+
+
 @dataclass
-class TemperatureBalance(BalanceRule):
+class EntryRule(BalanceRule):
+    """An offline rule over each sample's entries, which `by` says where they come from (see the module doc)."""
+
+    CHOICES: ClassVar[dict] = {"by": BY}
+    by: str = field(default="captions", kw_only=True)
+
+    @property
+    def reads_images(self) -> bool:
+        """Whether its entries include each sample's image cluster (the plan then needs the samples' latents)."""
+        return self.by != "captions"
+
+    def settings(self) -> dict:
+        # the default is left out: the plans of runs made before `by` existed keep their fingerprints
+        out = super().settings()
+        if self.by == "captions":
+            del out["by"]
+        return out
+
+    def balanced_by(self) -> str:
+        """What its describe line says the samples are balanced by."""
+        return {"captions": "concepts", "images": "image clusters", "both": "concepts and image clusters"}[self.by]
+
+
+@dataclass
+class TemperatureBalance(EntryRule):
     """factor = c_min^(-alpha), relative to the head (see the module doc)."""
 
     KIND: ClassVar[str] = "temperature"
@@ -227,21 +264,76 @@ class TemperatureBalance(BalanceRule):
     alpha: float = 0.5
 
     def describe(self) -> str:
-        return f"balanced by concepts (temperature, alpha {self.alpha:g})"
+        return f"balanced by {self.balanced_by()} (temperature, alpha {self.alpha:g})"
 
     def check(self) -> None:
         if not (np.isfinite(self.alpha) and self.alpha >= 0):
             raise ValueError(f"data.balance.alpha must be >= 0 (0 = natural, 1 = fully balanced), got {self.alpha}")
 
     def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
-        counts = entry_counts(table, rate)
-        head = float(counts.max()) if counts.size else 1.0
-        rarest = reduce_over_entries(counts, table, np.minimum, empty=head)
-        return np.power(rarest / head, -self.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
+        return np.power(rarest_share(table, rate), -self.alpha)  # relative to the head: 1 for it, > 1 for rarer ones
+
+
+def rarest_share(table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
+    """Per sample, c_min / c_head: its rarest entry's count relative to the most frequent entry's (1 for a sample
+    without entries)."""
+    counts = entry_counts(table, rate)
+    head = float(counts.max()) if counts.size else 1.0
+    return reduce_over_entries(counts, table, np.minimum, empty=head) / head
+
+
+def effective_samples(draws: np.ndarray) -> float:
+    """exp(entropy) of the draw distribution ∝ `draws` over samples: N for uniform draws, 1 for one sample."""
+    p = draws[draws > 0] / draws.sum()
+    return float(np.exp(-(p * np.log(p)).sum()))
 
 
 @dataclass
-class CapBalance(BalanceRule):
+class SpreadBalance(EntryRule):
+    """Temperature at the largest alpha in [0, 1] that keeps a share `keep` of the natural stream's effective
+    samples (see the module doc); `alpha` of the last `factors` call is kept for the log and the card."""
+
+    KIND: ClassVar[str] = "spread"
+    RANGES: ClassVar[dict] = {"keep": "in (0, 1] (1 = natural)"}
+    keep: float = 0.5
+    ITERATIONS: ClassVar[int] = 30  # bisection steps: alpha to 1e-9
+
+    def __post_init__(self) -> None:
+        self.alpha: float | None = None  # not a setting: what the data gave, once factors ran
+
+    def describe(self) -> str:
+        found = f", alpha {self.alpha:.3g}" if self.alpha is not None else ""
+        return (f"balanced by {self.balanced_by()} (temperature{found}, set to keep {self.keep:.0%} of the effective "
+                "samples)")
+
+    def check(self) -> None:
+        if not (np.isfinite(self.keep) and 0 < self.keep <= 1):
+            raise ValueError(f"data.balance.keep must be in (0, 1] (the share of the natural stream's effective "
+                             f"samples the balanced draws keep; 1 = natural), got {self.keep}")
+
+    def factors(self, table: ConceptTable, rate: np.ndarray | None = None) -> np.ndarray:
+        natural = np.ones(len(table)) if rate is None else np.asarray(rate, dtype=np.float64)
+        log_boost = -np.log(rarest_share(table, rate))
+        goal = self.keep * effective_samples(natural)
+
+        def spread(alpha: float) -> float:
+            return effective_samples(natural * np.exp(alpha * (log_boost - log_boost.max())))
+
+        low, high = 0.0, 1.0
+        if self.keep == 1:  # the natural stream itself (no alpha > 0 keeps every effective sample)
+            high = low
+        elif spread(high) >= goal:
+            low = high
+        else:
+            for _ in range(self.ITERATIONS):
+                mid = (low + high) / 2
+                low, high = (mid, high) if spread(mid) >= goal else (low, mid)
+        self.alpha = low
+        return np.exp(low * log_boost)
+
+
+@dataclass
+class CapBalance(EntryRule):
     """MetaCLIP's rule: factor = 1 - prod_e (1 - min(1, cap / c_e)) (see the module doc)."""
 
     KIND: ClassVar[str] = "cap"
@@ -249,7 +341,7 @@ class CapBalance(BalanceRule):
     cap: int = 0  # the threshold t, in samples: no default, a run sets it (0 = not set)
 
     def describe(self) -> str:
-        return f"balanced by concepts (cap {self.cap})"
+        return f"balanced by {self.balanced_by()} (cap {self.cap})"
 
     def check(self) -> None:
         if self.cap < 1:

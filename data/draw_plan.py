@@ -34,6 +34,7 @@ from .balance import (BalanceRule, ConceptTable, balance_factors, build_concept_
                       is_combination)
 from .concepts.captions import iter_shard_captions
 from .files import atomic_write, read_json_object, write_json
+from .image_clusters import cluster_table, default_clusters, join_tables, kmeans
 from .index import ShardIndex
 from .remote import is_indexable_remote
 from .sources import SourceMix
@@ -132,12 +133,15 @@ def _concept_rows(table: ConceptTable, natural: np.ndarray, planned: np.ndarray)
 def plan_draws(
     index: ShardIndex, mix: SourceMix, balance: BalanceRule, folder: str | os.PathLike, *,
     extractor: Callable | None = None, caption_field: str = "caption", workers: int = 1, progress: bool = False,
-    captions: Callable[[], Iterator[str]] | None = None,
+    captions: Callable[[], Iterator[str]] | None = None, features: Callable[[], np.ndarray] | None = None,
 ) -> DrawPlan:
     """The run's draw plan, from `folder` when its fingerprint still holds, else computed and written there.
 
     `captions` (default: read from the shards) returns the captions in index order; only `data.balance` reads
-    them. Call it in one process (the main one); the others wait for `load_plan(folder, plan_fingerprint(...))`."""
+    them. `features` returns one row of image features per sample in index order (`data.image_clusters.
+    latent_features`), which a rule balancing by image clusters (`by` images or both) needs; the clusters follow
+    from the features alone (k-means, seed 0), which the shards' fingerprint covers. Call it in one process (the
+    main one); the others wait for `load_plan(folder, plan_fingerprint(...))`."""
     if mix.num_samples != len(index):
         raise ValueError(f"the sources hold {mix.num_samples} samples, the index {len(index)}")
     balance.check()
@@ -148,7 +152,7 @@ def plan_draws(
     if plan is not None:
         return plan
     natural = mix.rate
-    table = None
+    table = image_clusters = None
     if not reads_captions:
         factors = np.ones(mix.num_samples)
     else:
@@ -157,7 +161,20 @@ def plan_draws(
         if len(table) != mix.num_samples:
             raise ValueError(f"the concept statistics cover {len(table)} captions, the shards {mix.num_samples} "
                              f"samples: they do not belong to these shards")
-        factors = balance_factors(table, balance, natural)
+        weighed = table
+        if getattr(balance, "reads_images", False):
+            if features is None:
+                raise ValueError(f"data.balance.by={balance.by} clusters the samples' VAE latents: it needs "
+                                 "precomputed features (data.precompute=true, or shards written by python -m "
+                                 "data.prep.precompute)")
+            rows = features()
+            labels = kmeans(rows, min(default_clusters(len(rows)), len(rows)), seed=0)
+            clusters = cluster_table(labels)
+            weighed = clusters if balance.by == "images" else join_tables(table, clusters)
+            sizes = np.bincount(labels)
+            image_clusters = {"clusters": len(clusters.entries), "largest": int(sizes.max()),
+                              "smallest": int(sizes[sizes > 0].min()), "features": int(rows.shape[1])}
+        factors = balance_factors(weighed, balance, natural)
     expected = np.empty(mix.num_samples)
     for s, (a, b) in enumerate(zip(mix.starts[:-1], mix.starts[1:])):
         expected[a:b] = mix.draws[s] * factors[a:b] / factors[a:b].sum()
@@ -177,6 +194,8 @@ def plan_draws(
         "distinct_share": float(np.minimum(planned, 1.0).sum() / mix.num_samples),
         "natural_distinct_share": float(np.minimum(natural, 1.0).sum() / mix.num_samples),
     }
+    if image_clusters is not None:
+        report["image_clusters"] = image_clusters
     if table is not None:
         report["captions_without_entries"] = int((table.lengths() == 0).sum())
         report["concepts"], report["most_boosted_combinations"] = _concept_rows(table, natural, planned)
@@ -218,6 +237,10 @@ def describe_plan(plan: DrawPlan) -> list[str]:
         rare = r["concepts"][-1]
         lines.append(f"  rarest concept {rare[0]!r}: {rare[1]:,.1f} -> {rare[2]:,.1f} draws per epoch; "
                      f"{r['captions_without_entries']:,} captions name no known concept (weighted like the head)")
+    if r.get("image_clusters"):
+        c = r["image_clusters"]
+        lines.append(f"  image clusters: {c['clusters']} (k-means of {c['features']} latent features per sample), "
+                     f"{c['smallest']:,} to {c['largest']:,} samples each")
     return lines
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .balance import BalanceRule, CapBalance, NoBalance, TemperatureBalance
+from .balance import BalanceRule, CapBalance, NoBalance, SpreadBalance, TemperatureBalance
 from .online_balance import ImbaBalance
 from .remote import ShardCache, StoreBudget, parse_size
 from .sources import ShardsSource, SourceKind, SyntheticSource, check_source_configs
 
 # data.balance's kinds: a rule is its settings' dataclass (data/balance.py's BalanceRule), registered here by its KIND
-BALANCE_RULES: dict[str, type[BalanceRule]] = {rule.KIND: rule for rule in (NoBalance, TemperatureBalance, CapBalance,
-                                                                            ImbaBalance)}
+BALANCE_RULES: dict[str, type[BalanceRule]] = {
+    rule.KIND: rule for rule in (NoBalance, TemperatureBalance, SpreadBalance, CapBalance, ImbaBalance)}
 # data.sources' kinds: each entry is one of these dataclasses (data/sources.py's SourceKind), chosen by its `kind`;
 # the first is the kind of an entry that names none
 SOURCE_KINDS: dict[str, type[SourceKind]] = {kind.KIND: kind for kind in (ShardsSource, SyntheticSource)}

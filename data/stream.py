@@ -21,7 +21,8 @@ from .buckets import assign_buckets, bucket_sizes
 from .draw_plan import DrawPlan, describe_plan, load_plan, plan_draws, plan_fingerprint, plot_plan
 from .index import ShardIndex, load_or_build_index
 from .indexed import make_indexed_loader
-from .precomputed import make_precomputed_loader
+from .image_clusters import latent_features
+from .precomputed import find_manifest, make_precomputed_loader
 from .read_spec import ReadSpec
 from .remote import ShardCache
 from .settings import DataConfig
@@ -109,8 +110,11 @@ def draw_plan(d: DataConfig, processes: Processes, sources: Sequence[Source], fo
     mix = SourceMix(sources, index.nsamples, d.epoch_samples)
     balance = d.balance.plan_rule()
     if processes.is_main_process:
+        manifest = find_manifest(all_shards(sources)) if getattr(balance, "reads_images", False) else None
+        features = None if manifest is None else (
+            lambda: latent_features(index, manifest, d.cache(), progress=True))
         plan = plan_draws(index, mix, balance, folder, extractor=extractor, caption_field=d.caption_field,
-                          progress=True, workers=caption_workers(index))
+                          progress=True, workers=caption_workers(index), features=features)
         for line in describe_plan(plan):
             print(line)
         drawn = plot_plan(plan, folder)

@@ -240,6 +240,9 @@ def test_balance_cost_smoke_mode_times_each_stage_in_its_own_process(tmp_path):
     assert [s["samples"] for s in r["sampler"]] == [1_000, 10_000]
     assert all(s["batch_ms_median"] > 0 for s in r["sampler"])
     assert "weights of 20,000 captions" in printed
+    (c,) = r["clusters"]
+    assert c["samples"] == 2_000 and c["clusters"] == 45 and c["kmeans_s"] > 0
+    assert "image clusters of 2,000 samples: k-means into 45" in printed
     captions = (tmp_path / "cache" / "captions-20000.txt").read_text().splitlines()
     assert len(captions) == 20_000 and len(set(captions)) > 10_000  # a long tail, not a handful of templates
 

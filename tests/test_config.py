@@ -142,7 +142,7 @@ def test_the_help_text_lists_every_setting_with_its_default_and_rule():
     assert lines["model.text_encoder"].split()[1:] == ["str", "default", "auto"]
     assert lines["model.max_text_tokens"].endswith("default 0, must be >= 0 (0 = the text encoder's own)")
     assert lines["data.batch_size"].endswith("int        default 32, must be >= 1")
-    assert lines["data.balance"].endswith("default none, one of none, temperature, cap, imba")
+    assert lines["data.balance"].endswith("default none, one of none, temperature, spread, cap, imba")
     assert lines["data.balance.fractionimba"].endswith("default 0.125 (kind imba), must be in (0, 1]")
     assert lines["data.balance.alphatemperature"].split()[1:5] == ["float", "default", "0.5", "(kind"]
     assert lines["optim.grad_clip"].endswith("default 1.0, must be >= 0 (0 = no clipping)")

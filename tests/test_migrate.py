@@ -31,7 +31,8 @@ FLAT_BALANCE = {"balance_alpha": 0.7, "balance_cap": 0, "balance_every": 50, "ba
 
 @pytest.mark.parametrize("kind,nested,unread", [
     ("none", {"kind": "none"}, list(FLAT_BALANCE)),
-    ("temperature", {"kind": "temperature", "alpha": 0.7}, [k for k in FLAT_BALANCE if k != "balance_alpha"]),
+    ("temperature", {"kind": "temperature", "by": "captions", "alpha": 0.7},
+     [k for k in FLAT_BALANCE if k != "balance_alpha"]),
     ("imba", {"kind": "imba", "alpha": 0.7, "every": 50, "fraction": 0.25, "groups": 3, "max_factor": 2.0,
               "rate": 4.0}, ["balance_cap"]),
 ])
@@ -55,7 +56,7 @@ def test_flat_balance_overrides_are_read_as_the_kind_setting_they_became(capsys)
     assert cfg.data.balance == TemperatureBalance(0.25)
     assert capsys.readouterr().out == ("config of the command line: data.balance_alpha became data.balance: "
                                        "{kind: temperature, alpha: 0.25}\n")
-    with pytest.raises(ConfigError, match="'data.balance.every' \\(data.balance kind temperature reads alpha\\)"):
+    with pytest.raises(ConfigError, match="'data.balance.every' \\(data.balance kind temperature reads by, alpha\\)"):
         load_config(["--config", "configs/mix.yaml", "data.balance_every=5"])  # its kind comes from the file
 
 
@@ -89,7 +90,7 @@ def test_flat_keys_join_a_nested_setting_and_a_wrong_kind_is_left_to_the_config(
     wrong = migrate.migrate_config({"data": {"balance": "inverse", "balance_alpha": 1, "balance_cap": 3}}, "x",
                                    log=lines.append)
     assert wrong["data"]["balance"] == {"kind": "inverse", "alpha": 1, "cap": 3}  # nothing dropped for it
-    with pytest.raises(ConfigError, match="'data.balance' must be one of none, temperature, cap, imba"):
+    with pytest.raises(ConfigError, match="'data.balance' must be one of none, temperature, spread, cap, imba"):
         load_config(["data.balance=inverse", "data.balance_alpha=1"])
     none = migrate.migrate_config({"data": {"balance": "none", "balance_alpha": 1, "balance_cap": 3}}, "y",
                                   log=lines.append)

@@ -40,6 +40,7 @@ EXPECTED = {
     "data.synthetic_samples": R, "data.synthetic_dir": R, "data.val_shards": A, "data.val_samples": A,
     "data.sources": R, "data.epoch_samples": R, "data.record_draws": A,
     "data.balance.kind": R, "data.balance.alpha": R, "data.balance.cap": R, "data.balance.every": R,
+    "data.balance.keep": R, "data.balance.by": R,
     "data.balance.fraction": R, "data.balance.groups": R, "data.balance.max_factor": R, "data.balance.rate": R,
     "loss.kind": R, "loss.min_snr_gamma": R, "loss.lam": R, "loss.gamma": R, "loss.distance": R,
     "loss.reference": R, "loss.normalize": R, "loss.estimator": R,

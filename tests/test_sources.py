@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from accelerate import Accelerator
 
-from data.balance import (CapBalance, NoBalance, TemperatureBalance, balance_factors, build_concept_table,
-                          caption_entries, entry_counts)
+from data.balance import (CapBalance, NoBalance, SpreadBalance, TemperatureBalance, balance_factors,
+                          build_concept_table, caption_entries, effective_samples, entry_counts)
 from data.concepts import default_extractor
 from data.concepts.vocab import VocabExtractor
 from data.settings import BALANCE_RULES
@@ -77,6 +77,49 @@ def test_cap_is_metaclip_balancing_and_a_caption_without_concepts_is_weighted_li
     t = balance_factors(table, TemperatureBalance(0.7))
     assert t[100] == t[101] == pytest.approx(1.0)  # the head's factor: never boosted, never dropped
     assert np.all(t[:90] == 1.0) and np.all(t[90:100] > 1)
+
+
+def long_tail(steepness):
+    """Captions of 8 colours of circles, colour k in about 200 / (k + 1) ** steepness of them."""
+    colours = ("red", "blue", "green", "yellow", "purple", "orange", "black", "cyan")
+    return [f"a {c} circle" for k, c in enumerate(colours) for _ in range(max(1, round(200 / (k + 1) ** steepness)))]
+
+
+@pytest.mark.parametrize("keep", [0.6, 0.75, 0.9])
+def test_spread_is_temperature_at_the_largest_alpha_that_keeps_its_share_of_the_effective_samples(keep):
+    table = table_of(long_tail(2.0))
+    rule = SpreadBalance(keep)
+    factors = balance_factors(table, rule)
+    assert 0 < rule.alpha < 1
+    assert np.allclose(factors, balance_factors(table, TemperatureBalance(rule.alpha)), rtol=1e-12)
+    natural = effective_samples(np.ones(len(table)))
+    assert natural == pytest.approx(len(table))
+    assert effective_samples(factors) >= keep * natural
+    assert effective_samples(balance_factors(table, TemperatureBalance(rule.alpha + 1e-6))) < keep * natural
+    assert f"alpha {rule.alpha:.3g}" in rule.describe() and f"keep {keep:.0%}" in rule.describe()
+
+
+def test_spread_gives_a_steep_tail_a_smaller_alpha_than_a_mild_one_and_keep_1_is_natural():
+    alphas = []
+    for steepness in (0.5, 1.0, 2.0, 3.0):
+        rule = SpreadBalance(0.6)
+        balance_factors(table_of(long_tail(steepness)), rule)
+        alphas.append(rule.alpha)
+    assert alphas == sorted(alphas, reverse=True) and alphas[0] == 1.0 and alphas[-1] < 0.6
+    natural = SpreadBalance(1.0)
+    assert np.all(balance_factors(table_of(long_tail(2.0)), natural) == 1.0) and natural.alpha == 0.0
+    assert SpreadBalance().describe() == "balanced by concepts (temperature, set to keep 50% of the effective samples)"
+    # two sources drawn at rates 1 and 3: the effective samples are counted at those rates
+    table = table_of(long_tail(2.0))
+    rate = np.where(np.arange(len(table)) % 2, 3.0, 1.0)
+    rated = SpreadBalance(0.6)
+    factors = balance_factors(table, rated, rate)
+    assert effective_samples(rate * factors) >= 0.6 * effective_samples(rate)
+    assert effective_samples(rate * balance_factors(table, TemperatureBalance(rated.alpha + 1e-6), rate)) < (
+        0.6 * effective_samples(rate))
+    for keep in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"data.balance.keep must be in \(0, 1\]"):
+            SpreadBalance(keep).check()
 
 
 def test_counts_follow_the_natural_draw_rate():
@@ -227,12 +270,49 @@ def test_balance_counts_each_sample_at_its_sources_rate(tmp_path):
     assert cap.expected == pytest.approx([50 * red / units] * 2 + [50 * blue / units] * 3 + [1.0] * 5, abs=1e-5)
 
 
+def test_balancing_by_image_clusters_draws_a_rare_looking_sample_more_and_reads_features_not_words(tmp_path):
+    """Ten samples, the last with a rare caption: 6 whose latents look alike (the last among them), 3 alike in
+    another way, 1 on its own. By captions the last is the rare one; by images each look is a cluster
+    (k = round(sqrt(10)) = 3), and alpha 1 draws each cluster about equally often; by both, the rarest of a
+    sample's caption entries and its cluster decides."""
+    index = ShardIndex([{"url": "/shards/a-0.tar", "nsamples": 10}])
+    mix = SourceMix([Source("a", ["/shards/a-0.tar"])], index.nsamples)
+    captions = ["a red circle"] * 9 + ["a cyan ring"]
+    looks = np.array([0] * 5 + [1] * 3 + [2] + [0])
+    rows = 10.0 * np.eye(3)[looks] + np.linspace(0, 0.1, 10)[:, None]
+
+    def plan(rule, folder, features=lambda: rows):
+        return plan_draws(index, mix, rule, tmp_path / folder, captions=lambda: iter(captions), features=features)
+
+    words = plan(TemperatureBalance(1.0), "words").expected
+    assert words[:9] == pytest.approx([words[0]] * 9, abs=1e-5) and words[9] > words[0]
+    images = plan(TemperatureBalance(1.0, by="images"), "images")
+    totals = [images.expected[looks == j].sum() for j in range(3)]
+    assert totals == pytest.approx([10 / 3] * 3, abs=0.01)  # each cluster a third of the epoch's 10 draws
+    assert images.report["image_clusters"] == {"clusters": 3, "largest": 6, "smallest": 1, "features": 3}
+    assert images.report["balance_line"] == "balanced by image clusters (temperature, alpha 1)"
+    assert "  image clusters: 3 (k-means of 3 latent features per sample), 1 to 6 samples each" in describe_plan(images)
+    assert images.report["concepts"]  # the captions are still read for the report: what the images moved
+    both = plan(TemperatureBalance(1.0, by="both"), "both")
+    assert images.expected[9] == images.expected[0]  # by images alone its rare words count for nothing
+    assert both.expected[9] > both.expected[0]  # a common look, rare words
+    assert both.expected[8] > both.expected[0]  # common words, a rare look
+    assert "by concepts and image clusters" in both.report["balance_line"]
+    with pytest.raises(ValueError, match=r"data.balance.by=images clusters the samples' VAE latents: it needs "
+                                         r"precomputed features \(data.precompute=true"):
+        plan(TemperatureBalance(1.0, by="images"), "none", features=None)
+
+
 # what each data.balance setting is read under: two offline rules that differ in that setting alone and draw
 # differently (an online rule's plan is the natural one)
 BALANCE_CHANGES = {
     "kind": [(NoBalance(), TemperatureBalance()), (TemperatureBalance(5.0), CapBalance(5))],
     "temperature alpha": [(TemperatureBalance(0.5), TemperatureBalance(1.0))],
     "cap cap": [(CapBalance(5), CapBalance(10))],
+    "spread keep": [(SpreadBalance(0.3), SpreadBalance(0.9))],
+    "temperature by": [(TemperatureBalance(), TemperatureBalance(by="images"))],
+    "spread by": [(SpreadBalance(), SpreadBalance(by="both"))],
+    "cap by": [(CapBalance(5), CapBalance(5, by="images"))],
 }
 
 
@@ -400,13 +480,13 @@ def index_key(index, i):
     (["data.sources=[{kind: synthetic}, {shards: ''}]"], "data.sources: source1 has no shards"),
     (["data.shards=a", "data.sources=[{shards: b}]"], "give data.shards or data.sources, not both"),
     (["data.balance=cap"], "'data.balance.cap' must be >= 1 (MetaCLIP: 20000 for 400M captions), got 0"),
-    (["data.balance=inverse"], "'data.balance' must be one of none, temperature, cap, imba (its kind)"),
+    (["data.balance=inverse"], "'data.balance' must be one of none, temperature, spread, cap, imba (its kind)"),
     (["data.balance=temperature", "data.balance.alpha=-1"], "'data.balance.alpha' must be >= 0"),
     (["data.balance.alpha=-1", "data.balance=temperature"], "'data.balance.alpha' must be >= 0"),
     (["data.balance=temperature", "data.balance_alpha=-1"], "'data.balance.alpha' must be >= 0"),  # the old key
     # a setting the chosen rule does not read is refused, not ignored
     (["data.balance=temperature", "data.balance.every=50"], "'data.balance.every' (data.balance kind temperature "
-                                                            "reads alpha)"),
+                                                            "reads by, alpha)"),
     (["data.balance.alpha=1"], "'data.balance.alpha' (data.balance kind none reads no settings)"),
     (["data.balance=cap", "data.balance.cap=5", "data.balance=none"], "kind none reads no settings"),
     (["data.balance=temperature", "data.mode=streaming"], "need indexed reading"),
@@ -766,6 +846,9 @@ def test_balance_rules_refuse_what_cannot_be_used_and_record_every_setting():
     for good in (CapBalance(1), TemperatureBalance(0.0), NoBalance()):
         good.check()
     assert CapBalance(5).settings() == {"kind": "cap", "cap": 5}
+    # balancing by images is recorded; by captions, the default, is not, so the plans of runs from before `by`
+    # existed keep their fingerprints
+    assert CapBalance(5, by="images").settings() == {"kind": "cap", "cap": 5, "by": "images"}
     assert TemperatureBalance(0.7).settings() == {"kind": "temperature", "alpha": 0.7}
     assert NoBalance().settings() == {"kind": "none"}
     for kind, rule in BALANCE_RULES.items():  # the kind each rule is registered under is its own

@@ -5,6 +5,7 @@ import contextlib
 import os
 import shutil
 
+import numpy as np
 import pytest
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -96,6 +97,10 @@ def test_every_read_setting_of_the_run_reaches_its_reader(shards, tmp_path):
 
     assert loader("data.bucketing=true").buckets is not None and loader().buckets is None
     assert loader("data.mode=streaming", "data.num_workers=1").num_workers == 1
+    streamed = loader("data.mode=streaming", "data.shuffle_buffer=37").dataset.pipeline
+    assert [stage.bufsize for stage in streamed if hasattr(stage, "bufsize")] == [37]
+    assert not [s for s in loader("data.mode=streaming", "data.shuffle_buffer=0").dataset.pipeline
+                if hasattr(s, "bufsize")]
 
 
 def test_a_given_order_replaces_the_plans_and_the_plans_order_gets_the_seed_and_the_shard_window(shards, tmp_path):
@@ -223,3 +228,30 @@ def test_the_runs_online_balancer_reads_its_entries_once_and_the_loader_draws_it
     uniform = load_config(["data.resolution=32", "data.batch_size=4", f"data.shards={os.path.dirname(shards[0])}"])
     make_loader(uniform, accelerator, sources, StreamPosition(2, 8), None, bucket_divisor=16)
     assert "each rank continues after 2 batches of 4" in capsys.readouterr().out
+
+
+def test_a_run_balanced_by_image_clusters_clusters_its_precomputed_latents_and_image_shards_say_what_it_needs(
+        shards, tmp_path, capsys):
+    from data.image_clusters import latent_features
+
+    settings = PrecomputeSettings(vae="tiny", text_encoder="tiny-words", resolution=32)
+    precompute_shards(shards, tmp_path / "features", settings, batch_size=8)
+    features = sorted(str(p) for p in (tmp_path / "features").glob("*.tar"))
+    manifest = load_manifest(features)
+    accelerator = Accelerator(cpu=True)
+    d = load_config(["data.resolution=32", "data.batch_size=4", "data.balance=temperature", "data.balance.alpha=1",
+                     "data.balance.by=images"]).data
+    made = make_stream(d, accelerator, [Source("f", features)], seed=0, samples_done=0, manifest=manifest,
+                       bucket_divisor=16, plan_folder=tmp_path / "plan")
+    out = capsys.readouterr().out
+    assert "balanced by image clusters (temperature, alpha 1)" in out and "  image clusters: 4 (k-means of " in out
+    plan = made.loader.sampler.order
+    assert isinstance(plan, WeightedOrder)
+    reader = PrecomputedShards(features)
+    rows = latent_features(reader.index, manifest)
+    assert rows.shape == (20, 4 * 4 * 4)  # the tiny VAE's 4 channels, each over a 4 x 4 grid of cells
+    mean = reader[7]["latent_mean"].numpy()  # (4, 4, 4): each cell one latent pixel here
+    assert np.allclose(rows[7], mean.reshape(-1)) and not np.allclose(rows[7], rows[8])
+    with pytest.raises(ValueError, match="data.balance.by=images clusters the samples' VAE latents"):
+        make_stream(d, accelerator, [Source("a", shards)], seed=0, samples_done=0, manifest=None, bucket_divisor=16,
+                    plan_folder=tmp_path / "images")
