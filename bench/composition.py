@@ -9,6 +9,8 @@
     python bench/composition.py --variants plain plain_balanced caption_balanced \
         --worlds pair_tail captioned --seeds 5 6 7 8 9 10 11 12 13 --steps 1000 1500 1950 \
         --out bench/composition_heldout         # the headline lever on seeds no setting was chosen on
+    python bench/composition.py --population --out bench/composition_population
+                                                # the levers over a population of worlds (composition_worlds.py)
     python bench/composition.py --levers        # data levers and representation diagnostics (online scenes)
     python bench/composition.py --diagnose OUT/models/<world>-<variant>-seed<s>-<steps> --out DIR
     python bench/composition.py --report bench/composition_balance   # its tables and figures again from its record
@@ -29,7 +31,10 @@ Worlds (bench/composition_scenes.py): 16 × 32 scenes of two objects, "a <colour
 "pair_tail": single concepts about equally frequent, their combinations long-tailed (rare pairs of common words);
 "captioned": pair_tail's images with captions as a re-captioner writes them (phrasings, synonyms, omitted and wrong
 colours, distractor words; `composition_scenes.realistic_caption`), which only the caption-reading streams read: a
-variant that reads no captions is the same computation as in pair_tail and its run is shared. Which colour and shape
+variant that reads no captions is the same computation as in pair_tail and its run is shared. "drawn-K": world K of
+the family of composition_worlds.py, long-tailed in a way of its own (Zipf exponents of colours and shapes, a law of
+their pairs, which pairs are held out, how noisy its captions are, all drawn from K); `--population` judges the
+levers over the named worlds and five drawn ones kept back from every choice of setting. Which colour and shape
 take which frequency rank, and so which pairs are held out, is drawn from the seed (--fixed-ranks keeps the listed
 order). A pool of single-object tiles per seed holds the pairs in proportion (head pairs hundreds to thousands of
 tiles, the rarest 8); 6 pairs are held out of training. An oracle CNN (shipped: composition_oracle.pt, or
@@ -79,8 +84,9 @@ The benchmark's parts: this file runs a study (the command line, its runs saved 
 `--diagnose`); composition_run.py one run (`run_one`: one world, variant and seed, trained and evaluated);
 composition_variants.py holds the variants as data and the plan of each mode; composition_weighting.py the
 weighting variants' loss and streams; composition_report.py the tables, figures and the study's record;
-seed_stats.py the statistics over seeds; composition_scenes.py the worlds, streams and judge;
-composition_diagnostics.py the representation diagnostics.
+composition_population_table.py the table of a study over drawn worlds (each lever's mean and worst world);
+seed_stats.py the statistics over seeds; composition_scenes.py the worlds, streams and judge; composition_worlds.py
+the family of drawn worlds and the population; composition_diagnostics.py the representation diagnostics.
 """
 
 from __future__ import annotations
@@ -103,10 +109,13 @@ import torch  # noqa: E402
 
 from composition_report import RESULTS, judge_reports, load_results, study_report  # noqa: E402
 from composition_run import JOB_SETTINGS, PATCH, SAMPLING_STEPS, run_one  # noqa: E402
-from composition_scenes import IMAGES_OF, WORLDS, PairWorld, WordEncoder, pair_name, train_oracle  # noqa: E402
-from composition_variants import (DEFAULT_PER_PAIR, DEFAULT_SEEDS, DEFAULT_STEPS, DEFAULT_VARIANTS,  # noqa: E402
-                                  DEFAULT_WORLDS, LEVER_VARIANTS, QUICK_STEPS, QUICK_VARIANTS, VARIANTS,
-                                  WEIGHTED_STREAMS, equal_compute_steps, relative_cost, train_lengths)
+from composition_scenes import (WORLDS, PairWorld, WordEncoder, check_world, images_of, pair_name,  # noqa: E402
+                                train_oracle)
+from composition_variants import (CAPTION_STREAMS, DEFAULT_PER_PAIR, DEFAULT_SEEDS, DEFAULT_STEPS,  # noqa: E402
+                                  DEFAULT_VARIANTS, DEFAULT_WORLDS, LEVER_VARIANTS, POPULATION_VARIANTS, QUICK_STEPS,
+                                  QUICK_VARIANTS, VARIANTS, WEIGHTED_STREAMS, equal_compute_steps, relative_cost,
+                                  train_lengths)
+from composition_worlds import POPULATION, POPULATION_SEEDS, POPULATION_STEPS, is_drawn  # noqa: E402
 
 # the study's judges and protocol
 ORACLE = REPO / "bench" / "composition_oracle.pt"  # the judge's weights; its report: the same name with .json
@@ -120,10 +129,11 @@ def _key(job: dict) -> tuple:
 
 
 def computed_as(job: dict) -> dict:
-    """The job whose run `job` is: a variant that reads no captions trains in the captioned world exactly as in
-    pair_tail, whose images, labels and draws it shares, so its run is computed (or reused) once, as pair_tail's."""
-    if IMAGES_OF[job["world"]] != job["world"] and VARIANTS[job["variant"]].stream not in WEIGHTED_STREAMS:
-        return {**job, "world": IMAGES_OF[job["world"]]}
+    """The job whose run `job` is: a variant that reads no captions (image clusters are no captions) trains in the
+    captioned world exactly as in pair_tail, whose images, labels and draws it shares, so its run is computed (or
+    reused) once, as pair_tail's."""
+    if images_of(job["world"]) != job["world"] and VARIANTS[job["variant"]].stream not in CAPTION_STREAMS:
+        return {**job, "world": images_of(job["world"])}
     return job
 
 
@@ -167,9 +177,12 @@ def diagnose_saved_model(folder: Path, out: Path) -> int:
         raise SystemExit(f"error: {folder} holds no saved model (config.json): pass a folder of OUT/models/")
     model = PixArtTransformer2DModel.from_pretrained(folder).eval()
     # <world>-<variant>-seed<s>-<steps>: the run's own world (ranks drawn from its seed)
-    world_name, _, rest = folder.name.partition("-")
+    drawn = folder.name.startswith("drawn-")
+    world_name, _, rest = folder.name.removeprefix("drawn-").partition("-")
+    world_name = f"drawn-{world_name}" if drawn else world_name
     seed = rest.rsplit("-seed", 1)[-1].split("-")[0] if "-seed" in rest else ""
-    world = (PairWorld(world_name, int(seed)) if world_name in WORLDS and seed.isdigit() else PairWorld())
+    known = world_name in WORLDS or (drawn and world_name[6:].isdigit())
+    world = PairWorld(world_name, int(seed)) if known and seed.isdigit() else PairWorld()
     result = world_diagnostics(model, WordEncoder(seed=0), world, PATCH)
     out.mkdir(parents=True, exist_ok=True)
     result["model"] = str(folder)
@@ -184,14 +197,44 @@ def diagnose_saved_model(folder: Path, out: Path) -> int:
     return 0
 
 
+def add_population(out: Path, payload: dict) -> str:
+    """A study over drawn worlds: the population table (composition_population_table.py) at its longest equal-step
+    length, appended to its results.md; "" for a study of the named worlds alone."""
+    from composition_population_table import population_report, population_table, world_gaps
+
+    if not any(is_drawn(w) for w in payload["worlds"]):
+        return ""
+    length = max(payload["lengths"])
+    text = (population_report(population_table(payload["runs"], payload["worlds"], length), length)
+            + world_gaps(payload["runs"], payload["worlds"], length))
+    with open(out / "results.md", "a") as f:
+        f.write(text)
+    return text
+
+
+def world_name(name: str) -> str:
+    """--worlds' type: a world's name, checked."""
+    if name != "population":
+        try:
+            check_world(name)
+        except ValueError as exn:
+            raise argparse.ArgumentTypeError(str(exn)) from None
+    return name
+
+
 def run_plan(args):
     """What a command line runs: (variants, worlds, scenes, seeds, lengths, per_pair), each the one given or the
-    default of its mode (the benchmark, `--quick`, `--levers`, `--levers --quick`)."""
+    default of its mode (the benchmark, `--quick`, `--levers`, `--levers --quick`, `--population`)."""
+    if args.population:
+        args.variants = args.variants or POPULATION_VARIANTS
+        args.worlds, args.seeds = args.worlds or ["population"], args.seeds or list(POPULATION_SEEDS)
+        args.steps = args.steps or [POPULATION_STEPS]
     variants = args.variants or (LEVER_VARIANTS if args.levers else QUICK_VARIANTS if args.quick
                                  else DEFAULT_VARIANTS)
     if "all" in variants:
         variants = list(VARIANTS)
     worlds = args.worlds or (["concept_tail"] if args.levers else list(DEFAULT_WORLDS))
+    worlds = list(dict.fromkeys(w for name in worlds for w in (POPULATION if name == "population" else [name])))
     scenes = args.scenes or ("online" if args.levers else "fixed")
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2] if args.levers else DEFAULT_SEEDS)
     lengths = sorted(args.steps or ([400] if args.quick and args.levers else QUICK_STEPS if args.quick
@@ -220,6 +263,7 @@ def report_from_record(folder: Path, out: Path) -> int:
     factors = tuple(sorted({relative_cost(v, recorded.batch_size) for v in payload["variants"]} - {1.0}))
     out.mkdir(parents=True, exist_ok=True)
     study_report(out, payload, payload["lengths"], detail_length(recorded, payload["lengths"], factors))
+    add_population(out, payload)
     print(f"wrote {out / 'results.md'}, {out / RESULTS} and the figures from the {len(payload['runs'])} runs recorded "
           f"in {folder}")
     return 0
@@ -230,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help=f"1 seed, both worlds, {' '.join(QUICK_VARIANTS)}, {QUICK_STEPS[0]} steps, 8 samples "
                              "per pair (with --levers: 1 seed, 400 steps, 4 samples per pair)")
+    parser.add_argument("--population", action="store_true",
+                        help=f"the population study: {' '.join(POPULATION_VARIANTS)} on the worlds of "
+                             f"composition_worlds.POPULATION, seeds {' '.join(map(str, POPULATION_SEEDS))}, "
+                             f"{POPULATION_STEPS} steps")
     parser.add_argument("--levers", action="store_true",
                         help=f"the data-levers experiment: {' '.join(LEVER_VARIANTS)}, 1000 steps, online scenes, "
                              "concept_tail world, the plain-cost variants also at the efficient estimator's compute")
@@ -239,8 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, "all"], default=None, metavar="NAME",
                         help=f"names from VARIANTS ({', '.join(VARIANTS)}) or all; default: "
                              f"{' '.join(DEFAULT_VARIANTS)}")
-    parser.add_argument("--worlds", nargs="+", choices=WORLDS, default=None,
-                        help=f"default: {' '.join(DEFAULT_WORLDS)} (--levers: concept_tail)")
+    parser.add_argument("--worlds", nargs="+", type=world_name, default=None, metavar="WORLD",
+                        help=f"{', '.join(WORLDS)}, drawn-K (a world of composition_worlds.py's family) or "
+                             f"population (its population); default: {' '.join(DEFAULT_WORLDS)} "
+                             "(--levers: concept_tail)")
     parser.add_argument("--scenes", choices=("fixed", "online"), default=None,
                         help="fixed: each seed's scenes composed once, streams draw among them (default); online: "
                              "each scene composed at batch time (the default with --levers)")
@@ -298,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                          "--scenes online")
     weighted = [v for v in variants if VARIANTS[v].stream in WEIGHTED_STREAMS]
     if scenes == "online" and weighted:
-        raise SystemExit(f"error: {' '.join(weighted)} weights a fixed pool of scenes by their captions; run it with "
+        raise SystemExit(f"error: {' '.join(weighted)} weights a fixed pool of scenes; run it with "
                          "--scenes fixed")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -325,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                  oracle=str(oracle_path), oracle_b=str(oracle_b) if oracle_b else None,
                  grid_dir=str(args.out) if s == seeds[0] else None, models_dir=str(args.out / "models"))
             for w in worlds for s in seeds for v in variants]
-    # longest first: better packing
-    jobs.sort(key=lambda j: -relative_cost(j["variant"], args.batch_size) * max(j["steps"]))
+    # seed by seed, so a study stopped part-way has whole seeds of every world; within a seed longest first, for
+    # packing
+    jobs.sort(key=lambda j: (seeds.index(j["seed"]), -relative_cost(j["variant"], args.batch_size) * max(j["steps"])))
     # every finished run is saved at once: an interrupted benchmark reruns only the missing ones, and the runs
     # of the study's record (committed with the results) are reused too
     runs_dir = args.out / "runs"
@@ -362,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "worlds_results": None, "runs": runs,
     }
     report = study_report(args.out, payload, lengths, detail_length(args, lengths, factors))
+    report += add_population(args.out, payload)
     print(report)
     print(f"wrote {args.out}/{RESULTS}, results.md, composition.png in {payload['wall_seconds'] / 60:.1f} min")
     return 0

@@ -155,8 +155,9 @@ def run_one(job: dict) -> dict:
     if scene_pool is not None and spec.bursty:  # main refuses it first: a worker must not exit
         raise ValueError(f"{variant} composes its scenes at batch time; run it with --scenes online")
     if scene_pool is None and stream in WEIGHTED_STREAMS:
-        raise ValueError(f"{variant} weights a fixed pool of scenes by their captions; run it with --scenes fixed")
-    weighted = (WeightedScenes(stream, scene_pool.captions(realistic=job["world"] == "captioned"), spec.alpha)
+        raise ValueError(f"{variant} weights a fixed pool of scenes; run it with --scenes fixed")
+    weighted = (WeightedScenes(stream, scene_pool.captions(world.caption_noise), spec.alpha, spec.keep,
+                               scenes=pool.scenes(scene_pool.left, scene_pool.right), seed=seed)
                 if stream in WEIGHTED_STREAMS else None)
     bucket_of_tile = [world.buckets.get(p) for p in pool.pair_of_tile]  # None for a hue tile
     tile_weight = None

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composition_worlds import DRAWN_PREFIX, WorldLaw, balance_marginals, draw_law, is_drawn
+
 from data.images import image_to_tensor
 from data.synthetic import render_objects
 
@@ -68,19 +70,19 @@ FAILURES = ("missing_object", "colour_on_wrong_shape", "other")
 STREAMS = ("long_tailed", "pair_balanced", "concept_balanced")
 
 
+def images_of(kind: str) -> str:
+    """The world whose images, labels and draws `kind` shares (a drawn world its own)."""
+    return IMAGES_OF.get(kind, kind)
+
+
+def check_world(kind: str) -> None:
+    if kind not in WORLDS and not is_drawn(kind):
+        raise ValueError(f"unknown world {kind!r}; choose one of {', '.join(WORLDS)} or {DRAWN_PREFIX}K "
+                         f"(composition_worlds.py)")
+
+
 def permutation(n: int, generator: torch.Generator) -> tuple[int, ...]:
     return tuple(torch.randperm(n, generator=generator).tolist())
-
-
-def balance_marginals(weights: torch.Tensor, iterations: int = 500) -> torch.Tensor:
-    """The table closest to `weights` (colours × shapes, zeros kept) whose row and column sums are uniform
-    (Sinkhorn scaling: a_c · b_s · weights), normalised to sum 1."""
-    table = weights.to(torch.float64).clone()
-    rows, cols = table.shape
-    for _ in range(iterations):
-        table = table / table.sum(1, keepdim=True) / rows
-        table = table / table.sum(0, keepdim=True) / cols
-    return table / table.sum()
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,10 @@ class PairWorld:
     uniform), their combinations long-tailed (a factor PAIR_DECAY per level), so a rare pair is a pair of common words.
     `seed`: None keeps the listed order of COLOURS and SHAPES as their frequency ranks; an integer permutes which
     colour and which shape takes each rank (and so which named pairs are held out) from the seed, so a concept's
-    difficulty to draw is not tied to its frequency."""
+    difficulty to draw is not tied to its frequency. kind "drawn-K": the world K of the family of
+    `composition_worlds` (its law in `law`), whose ranks the seed permutes the same way.
+    `caption_noise`: None where the captions are the template's, else the scale of the re-captioner's error rates
+    (`realistic_caption`): 1 for "captioned", the law's for a drawn world."""
 
     kind: str = "concept_tail"
     seed: int | None = None
@@ -104,28 +109,33 @@ class PairWorld:
     pairs: list[tuple[int, int]] = field(init=False)
     probs: torch.Tensor = field(init=False)
     buckets: dict[tuple[int, int], str] = field(init=False)
+    law: WorldLaw | None = field(init=False)
+    caption_noise: float | None = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in WORLDS:
-            raise ValueError(f"unknown world {self.kind!r}; choose one of {', '.join(WORLDS)}")
+        check_world(self.kind)
+        images = images_of(self.kind)
+        law = draw_law(int(self.kind[len(DRAWN_PREFIX):])) if is_drawn(self.kind) else None
         if self.seed is None:
             colour_at, shape_at = tuple(range(len(COLOURS))), tuple(range(len(SHAPES)))
         else:
-            g = torch.Generator().manual_seed(10007 * self.seed + WORLDS.index(IMAGES_OF[self.kind]))
+            # a drawn world's offset lies past the named ones': its permutation is none of theirs
+            offset = 100 + int(self.kind[len(DRAWN_PREFIX):]) if law else WORLDS.index(images)
+            g = torch.Generator().manual_seed(10007 * self.seed + offset)
             colour_at, shape_at = permutation(len(COLOURS), g), permutation(len(SHAPES), g)
         colour_rank = tuple(colour_at.index(c) for c in range(len(COLOURS)))
         shape_rank = tuple(shape_at.index(s) for s in range(len(SHAPES)))
-        images = IMAGES_OF[self.kind]
-        ranks = HELD_OUT if images == "concept_tail" else HELD_OUT_PAIR_TAIL
+        ranks = law.held_out if law else HELD_OUT if images == "concept_tail" else HELD_OUT_PAIR_TAIL
         held_out = tuple((colour_at[rc], shape_at[rs]) for rc, rs in ranks)
         pairs = [(c, s) for c in range(len(COLOURS)) for s in range(len(SHAPES))]
         table = torch.zeros(len(COLOURS), len(SHAPES), dtype=torch.float64)
+        by_rank = law.table(len(COLOURS), len(SHAPES)) if law else None
         for c, s in pairs:
             if (c, s) in held_out:
                 continue
             rc, rs = colour_rank[c], shape_rank[s]
-            table[c, s] = (1.0 / ((rc + 1) * (rs + 1)) ** self.zipf if images == "concept_tail"
-                           else PAIR_DECAY ** -((rc + rs) % len(SHAPES)))
+            table[c, s] = (by_rank[rc, rs] if law else 1.0 / ((rc + 1) * (rs + 1)) ** self.zipf
+                           if images == "concept_tail" else PAIR_DECAY ** -((rc + rs) % len(SHAPES)))
         if images == "pair_tail":
             table = balance_marginals(table)
         probs = torch.tensor([float(table[p]) for p in pairs], dtype=torch.float64)
@@ -137,8 +147,10 @@ class PairWorld:
         buckets = {p: "held_out" for p in held_out}
         for rank, p in enumerate(seen):
             buckets[p] = "head" if rank < third else ("tail" if rank >= len(seen) - third else "torso")
+        noise = law.caption_noise if law else 1.0 if self.kind == "captioned" else None
         for name, value in (("colour_rank", colour_rank), ("shape_rank", shape_rank), ("held_out", held_out),
-                            ("pairs", pairs), ("probs", probs), ("buckets", buckets)):
+                            ("pairs", pairs), ("probs", probs), ("buckets", buckets), ("law", law),
+                            ("caption_noise", noise)):
             object.__setattr__(self, name, value)
 
     @property
@@ -182,7 +194,8 @@ def pair_name(pair: tuple[int, int]) -> str:
 # omitted with OMIT, else a wrong colour with WRONG; each word a synonym with SYNONYM (violet is an alias the
 # vocabulary knows; the others it does not, or reads as something else: lime, lemon, box, donut are objects, golden
 # is gold). Per scene: one of RELATIONS; with ATTRIBUTE_AFTER the first object's colour follows its shape; two
-# objects of one shape are a plural with PLURAL; a DISTRACTOR clause names something not shown.
+# objects of one shape are a plural with PLURAL; a DISTRACTOR clause names something not shown. A world's
+# `caption_noise` scales every rate but PLURAL's (phrasing, not error).
 OMIT, WRONG, SYNONYM, ATTRIBUTE_AFTER, PLURAL, DISTRACTOR = 0.15, 0.05, 0.1, 0.1, 0.5, 0.2
 SYNONYMS = {"red": ("crimson", "scarlet"), "blue": ("navy", "azure"), "green": ("lime", "emerald"),
             "yellow": ("golden", "lemon"), "purple": ("violet", "lilac"), "orange": ("amber", "tangerine"),
@@ -194,17 +207,18 @@ DISTRACTORS = (" on a white background", " with a small star in the corner", " o
                " in a black frame", " under a blue sky")
 
 
-def realistic_caption(left: tuple[int, int], right: tuple[int, int], rng: random.Random) -> str:
-    """A caption of the scene `left` | `right` under the caption model above, drawn from `rng`."""
+def realistic_caption(left: tuple[int, int], right: tuple[int, int], rng: random.Random, noise: float = 1.0) -> str:
+    """A caption of the scene `left` | `right` under the caption model above, its error rates times `noise`,
+    drawn from `rng`."""
     from data.text import with_article
 
     def word(name: str) -> str:
-        return rng.choice(SYNONYMS[name]) if name in SYNONYMS and rng.random() < SYNONYM else name
+        return rng.choice(SYNONYMS[name]) if name in SYNONYMS and rng.random() < SYNONYM * noise else name
 
     def colour(c: int) -> str | None:
-        if rng.random() < OMIT:
+        if rng.random() < OMIT * noise:
             return None
-        if c < len(COLOURS) and rng.random() < WRONG:
+        if c < len(COLOURS) and rng.random() < WRONG * noise:
             c = rng.choice([k for k in range(len(COLOURS)) if k != c])
         return word(colour_word(c))
 
@@ -220,11 +234,11 @@ def realistic_caption(left: tuple[int, int], right: tuple[int, int], rng: random
                  else f", one of them {named[0]}" if named else "")
         text = f"two {shapes}{which}"
     else:
-        after = w1 is not None and rng.random() < ATTRIBUTE_AFTER
+        after = w1 is not None and rng.random() < ATTRIBUTE_AFTER * noise
         a = f"{word(SHAPES[s1])} in {w1}" if after else " ".join(w for w in (w1, word(SHAPES[s1])) if w)
         b = " ".join(w for w in (w2, word(SHAPES[s2])) if w)
         text = rng.choice(RELATIONS).format(a=with_article(a), b=with_article(b))
-    if rng.random() < DISTRACTOR:
+    if rng.random() < DISTRACTOR * noise:
         text += rng.choice(DISTRACTORS)
     return text[0].upper() + text[1:]
 
@@ -362,15 +376,15 @@ class ScenePool:
     def __len__(self) -> int:
         return len(self.left)
 
-    def captions(self, realistic: bool = False) -> list[str]:
-        """Each scene's caption in scene order: "a <colour> <shape> and a <colour> <shape>", or with `realistic`
-        one of `realistic_caption` (drawn from the pool's seed)."""
+    def captions(self, noise: float | None = None) -> list[str]:
+        """Each scene's caption in scene order: "a <colour> <shape> and a <colour> <shape>", or, given a world's
+        `caption_noise`, one of `realistic_caption` at that noise (drawn from the pool's seed)."""
         pairs = self.tiles.pair_of_tile
         scenes = [(pairs[a], pairs[b]) for a, b in zip(self.left.tolist(), self.right.tolist())]
-        if not realistic:
+        if noise is None:
             return [caption(a, b) for a, b in scenes]
         rng = random.Random(7919 * self.seed + 29)
-        return [realistic_caption(a, b, rng) for a, b in scenes]
+        return [realistic_caption(a, b, rng, noise) for a, b in scenes]
 
     def draw(self, n: int, stream: str, generator: torch.Generator) -> torch.Tensor:
         """n scene indices."""

@@ -23,7 +23,9 @@ from imba.training.balancing import scored_rows
 # settings: reference, normalize, estimator, ...), the objective (flow or ddpm, ε), the stream: which objects are drawn
 # (composition_scenes.STREAMS), or, in fixed-scene mode, which scenes, in proportion to a factor per scene from its
 # caption alone, without the pair labels (WEIGHTED_STREAMS: "caption" = data.balance temperature with exponent `alpha`,
-# what a user of the data layer gets with data.balance=temperature; "imba_online" = the weights of
+# what a user of the data layer gets with data.balance=temperature, or with `keep` the exponent data.balance=spread
+# sets from the captions' statistics; "image" the same rules over k-means clusters of the scenes' pooled pixels
+# (data.image_clusters: no caption read), "caption_image" over both entries at once; "imba_online" = the weights of
 # data.online_balance.OnlineBalance, set from the model's own IMBA distance per caption entry); reweight: plain MSE
 # weighted per object half, each half's tokens by its own object's weight: the inverse frequency of its concepts
 # (offline re-weighting as a user would do it) or the importance ratio p_balanced(pair) / p_pool(pair) of the pair-
@@ -31,7 +33,8 @@ from imba.training.balancing import scored_rows
 # ratio of the whole scene; hues / bursty / jitter: the data levers of composition_scenes (colour diversity: HUES-
 # coloured tiles, half as many as the pool's; burstiness: the share of scenes whose second object takes the first one's
 # colour; latent intervention: the largest hue rotation of a training tile, in turns).
-WEIGHTED_STREAMS = ("caption", "imba_online")
+WEIGHTED_STREAMS = ("caption", "image", "caption_image", "imba_online")
+CAPTION_STREAMS = ("caption", "caption_image", "imba_online")  # the weighted streams that read captions
 REWEIGHTS = ("inverse_freq", "importance", "importance_joint")
 
 
@@ -43,6 +46,7 @@ class Variant:
     objective: str = "flow"
     stream: str = "long_tailed"
     alpha: float | None = None  # a weighted stream's temperature exponent
+    keep: float | None = None  # or the share of effective samples its exponent is set to keep (data.balance=spread)
     reweight: str | None = None
     # the concept-specificity control: each row's token weights given to another row of the same noise-level bin
     shuffle_weights: bool = False
@@ -57,9 +61,12 @@ class Variant:
                                      *((f"loss.{k}", getattr(self.loss, k), v) for k, v in self.loss.CHOICES.items())):
             if value not in allowed:
                 raise ValueError(f"variant {name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
-        if (self.alpha is not None) != (self.stream in WEIGHTED_STREAMS):
-            raise ValueError(f"alpha is the exponent of a weighted stream ({', '.join(WEIGHTED_STREAMS)}): give it "
-                             f"with one of them and only then (stream {self.stream}, alpha {self.alpha})")
+        if ((self.alpha is not None) + (self.keep is not None) == 1) != (self.stream in WEIGHTED_STREAMS):
+            raise ValueError(f"alpha or keep (one of them) sets the exponent of a weighted stream "
+                             f"({', '.join(WEIGHTED_STREAMS)}): give it with one of them and only then (stream "
+                             f"{self.stream}, alpha {self.alpha}, keep {self.keep})")
+        if self.stream == "imba_online" and self.alpha is None:
+            raise ValueError("the online balance starts from a temperature prior: give it alpha")
         if self.shuffle_weights and isinstance(self.loss, PlainLoss):
             raise ValueError("shuffle_weights permutes the IMBA loss's weights: the plain loss has none")
         self.loss.check()
@@ -110,7 +117,18 @@ VARIANTS = {
     # data.balance=imba (data.online_balance.OnlineBalance) with its defaults: the temperature prior of
     # caption_balanced (alpha 0.5), four rarity groups, each moved by its IMBA distance beyond 4 standard errors
     "imba_grouped": variant(kind="plain", stream="imba_online", alpha=0.5),
+    # the population's levers (composition_worlds.py): the exponent set by data.balance=spread at the share chosen on
+    # the development worlds (SPREAD_KEEP), over the captions, over image clusters, over both; and the IMBA loss on
+    # the caption-spread stream
+    "caption_spread": variant(kind="plain", stream="caption", keep=0.6),
+    "image_spread": variant(kind="plain", stream="image", keep=0.6),
+    "caption_image_spread": variant(kind="plain", stream="caption_image", keep=0.6),
+    "imba_caption_spread": variant(kind="imba", reference="target", normalize="timestep_mean", estimator="efficient",
+                                   stream="caption", keep=0.6),
 }
+# the population study's variants: the two stream controls and the levers
+POPULATION_VARIANTS = ["plain", "plain_balanced", "caption_spread", "image_spread", "caption_image_spread",
+                       "imba_caption_spread"]
 BALANCE_EVERY = 50  # steps between refreshes of the online balance's weights
 # the default: the three streams and the IMBA form that loses least to plain at equal compute (bench/README.md)
 DEFAULT_VARIANTS = ["plain", "plain_balanced", "plain_concept_balanced", "imba_target_tnorm_efficient"]

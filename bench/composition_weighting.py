@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from composition_scenes import COLOURS, SHAPES, pair_name
+from composition_scenes import COLOURS, SHAPES, TILE, pair_name
 from composition_variants import BALANCE_EVERY, WEIGHTED_STREAMS, imba_rows
 
 from data.online_balance import FACTOR_ONE
@@ -92,29 +92,39 @@ class OnlineSceneBalance:
 
 
 class WeightedScenes:
-    """The scene stream of a caption- or IMBA-balanced variant (WEIGHTED_STREAMS): scenes drawn with replacement in
-    proportion to a factor per scene, the natural stream being uniform over the scene pool. The factors come from
-    the scenes' captions alone, through the entries `data.balance` extracts from them (concepts, attribute:object
-    bindings, object pairs), as a real data set's sampler would set them without labels: fixed once for "caption"
-    (temperature with exponent `alpha`), and for "imba_online" the factors of `data.online_balance.OnlineBalance`,
-    which move with the distances `observe` feeds it at every `refresh` (`online`: its rate and max_factor)."""
+    """The scene stream of a weighted variant (WEIGHTED_STREAMS): scenes drawn with replacement in proportion to a
+    factor per scene, the natural stream being uniform over the scene pool. The factors come without labels, as a
+    real data set's sampler would set them: from the entries `data.balance` extracts from the scenes' captions
+    (concepts, attribute:object bindings, object pairs), from k-means clusters of the `scenes`' pooled pixels
+    (`data.image_clusters`, "image"), or from both ("caption_image"). Fixed once by temperature with exponent `alpha`,
+    or with the exponent data.balance=spread sets to `keep` that share of the effective samples; for "imba_online"
+    the factors of `data.online_balance.OnlineBalance`, which move with the distances `observe` feeds it at every
+    `refresh` (`online`: its rate and max_factor)."""
 
-    def __init__(self, stream: str, captions: list[str], alpha: float | None = None, **online):
-        from data.balance import TemperatureBalance, balance_factors, build_concept_table
+    def __init__(self, stream: str, captions: list[str], alpha: float | None = None, keep: float | None = None,
+                 scenes: torch.Tensor | None = None, seed: int = 0, **online):
+        from data.balance import SpreadBalance, TemperatureBalance, balance_factors, build_concept_table
         from data.concepts import default_extractor
+        from data.image_clusters import cluster_table, default_clusters, join_tables, kmeans, pooled_features
 
+        if stream not in WEIGHTED_STREAMS:
+            raise ValueError(f"unknown weighted stream {stream!r}; choose one of {', '.join(WEIGHTED_STREAMS)}")
         self.stream = stream
-        self.table = build_concept_table(captions, default_extractor())
-        self.online = None
-        if stream == "caption":
-            self.factors = torch.from_numpy(balance_factors(self.table, TemperatureBalance(alpha)))
-        elif stream == "imba_online":
+        self.online, self.rule = None, TemperatureBalance(alpha) if keep is None else SpreadBalance(keep)
+        tables = []
+        if stream != "image":
+            tables.append(build_concept_table(captions, default_extractor()))
+        if stream in ("image", "caption_image"):  # the scenes' 4 x 4-pixel cells: their coarse layout of colour
+            features = pooled_features(scenes.numpy(), (TILE // 4, 2 * TILE // 4))
+            tables.append(cluster_table(kmeans(features, default_clusters(len(scenes)), seed=seed)))
+        self.table = join_tables(*tables) if len(tables) == 2 else tables[0]
+        if stream == "imba_online":
             from data.online_balance import OnlineBalance
 
             self.online = OnlineBalance(self.table, alpha=alpha, **online)
             self.factors = self._online_factors()
         else:
-            raise ValueError(f"unknown weighted stream {stream!r}; choose one of {', '.join(WEIGHTED_STREAMS)}")
+            self.factors = torch.from_numpy(balance_factors(self.table, self.rule))
 
     def _online_factors(self) -> torch.Tensor:
         return torch.from_numpy(self.online.sample_factors().astype("float64"))
@@ -137,7 +147,7 @@ class WeightedScenes:
         group's multiplier of its prior, its distance ratio and that ratio's standard error, and the refreshes."""
         scale = FACTOR_ONE if self.online is not None else 1.0
         out = {"max_rate_over_uniform": float(self.factors.max() / self.factors.mean()),
-               "max_factor": float(self.factors.max()) / scale}
+               "max_factor": float(self.factors.max()) / scale, "alpha": self.rule.alpha}
         if self.online is not None:
             ratio, se, _ = self.online.evidence()
             out.update(multipliers=[float(w) / FACTOR_ONE for w in self.online.weights], ratios=ratio.tolist(),

@@ -22,9 +22,10 @@ import composition_variants  # noqa: E402
 import composition_weighting  # noqa: E402
 from composition_diagnostics import world_features  # noqa: E402
 from composition_scenes import (COLOURS, HELD_OUT, HUES, MIN_TILES, NOTHING, SHAPES, WORLDS, Oracle,  # noqa: E402
-                                PairWorld, ScenePool, TilePool, WordEncoder, balance_marginals, caption,
+                                PairWorld, ScenePool, TilePool, WordEncoder, caption,
                                 colour_value, judge, oracle_accuracy, oracle_per_class, pair_name, probe_prompts,
                                 render_tiles, rotate_hue, train_oracle)
+from composition_worlds import balance_marginals  # noqa: E402
 from imba.loss import IMBALoss  # noqa: E402
 
 
@@ -153,8 +154,9 @@ def test_a_variant_is_data_and_a_key_the_runner_does_not_know_is_an_error():
         composition_variants.variant(kind="imba", distanse="l1")
     for bad, message in [(dict(kind="imba", distance="l3"), "loss.distance must be one of mse, l1, l2"),
                          (dict(stream="balanced"), "variant stream must be one of long_tailed"),
-                         (dict(stream="caption"), "alpha is the exponent of a weighted stream"),
-                         (dict(alpha=0.5), "alpha is the exponent of a weighted stream"),
+                         (dict(stream="caption"), "alpha or keep .one of them. sets the exponent of a weighted"),
+                         (dict(alpha=0.5), "alpha or keep .one of them. sets the exponent of a weighted"),
+                         (dict(stream="imba_online", keep=0.5), "starts from a temperature prior: give it alpha"),
                          (dict(kind="plain", shuffle_weights=True), "the plain loss has none"),
                          (dict(reweight="inverse"), "variant reweight must be one of None, inverse_freq"),
                          (dict(objective="edm"), "variant objective must be one of")]:
@@ -567,9 +569,9 @@ def test_the_captioned_world_is_pair_tails_images_under_captions_a_re_captioner_
     pool = TilePool(captioned, seed=2, tiles=2000)
     assert torch.equal(pool.images, TilePool(pair_tail, seed=2, tiles=2000).images)
     scenes = ScenePool(pool, seed=2)
-    template, realistic = scenes.captions(), scenes.captions(realistic=True)
-    assert realistic == ScenePool(pool, seed=2).captions(realistic=True)  # drawn from the seed
-    assert realistic != ScenePool(TilePool(captioned, seed=3, tiles=2000), seed=3).captions(realistic=True)
+    template, realistic = scenes.captions(), scenes.captions(noise=1.0)
+    assert realistic == ScenePool(pool, seed=2).captions(noise=1.0)  # drawn from the seed
+    assert realistic != ScenePool(TilePool(captioned, seed=3, tiles=2000), seed=3).captions(noise=1.0)
     assert len(set(realistic)) > 1.5 * len(set(template))  # many phrasings of one scene
     extractor = default_extractor()
 
