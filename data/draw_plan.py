@@ -168,7 +168,7 @@ def plan_draws(
                                  "precomputed features (data.precompute=true, or shards written by python -m "
                                  "data.prep.precompute)")
             rows = features()
-            labels = kmeans(rows, min(default_clusters(len(rows)), len(rows)), seed=0)
+            labels = kmeans(rows, default_clusters(len(rows)), seed=0)
             clusters = cluster_table(labels)
             weighed = clusters if balance.by == "images" else join_tables(table, clusters)
             sizes = np.bincount(labels)

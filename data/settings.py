@@ -57,7 +57,7 @@ class DataConfig:
     # aspect-ratio buckets around resolution² pixels (1:4 .. 4:1, sides multiples of 16; data/buckets.py): each batch
     # is one bucket's (h, w). Image shards in indexed mode only (not streaming, not precomputed features)
     bucketing: bool = False
-    # true: encode the training and validation images once by the frozen VAE and T5 (`python -m data.prep.precompute`'s
+    # true: encode the training and validation images once, frozen VAE and T5 (`python -m data.prep.precompute`'s
     # format, in <train.output_dir>/features/; reused on resume, redone when the shards or encoders change) and
     # train on the stored features, with no encoder pass per step: for sets read many times (the synthetic set,
     # small fine-tuning sets). auto: true for the synthetic set (unless bucketed or streamed), false for data.shards
