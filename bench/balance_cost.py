@@ -19,7 +19,9 @@ its worker processes):
            `--batch-size` (O(batch log N): nearly flat in N).
   clusters for each N of `--cluster-sizes`: balancing by image clusters (data.balance.by=images): k-means
            (`data.image_clusters.kmeans`, k = sqrt(N)) over N rows of 64 features, what a 256 px latent pooled to
-           4 x 4 cells gives (drawn from a mixture of 200 Gaussians), then the temperature factors over the clusters.
+           4 x 4 cells gives (drawn from a mixture of 200 Gaussians), then the temperature factors over the clusters
+           and, over N samples of a long-tailed entry (Zipf 1.3, 5,000 values), the spread rule's
+           (data.balance=spread: a bisection for its alpha, the costliest case).
            Reading the features from precomputed shards comes on top (the run prints its rate).
 Reported: seconds and peak resident memory per stage, captions per second of the extraction.
 """
@@ -129,7 +131,7 @@ def stage_sampler(n: int, batch_size: int) -> dict:
 
 
 def stage_clusters(n: int) -> dict:
-    from data.balance import TemperatureBalance, balance_factors
+    from data.balance import SpreadBalance, TemperatureBalance, balance_factors
     from data.image_clusters import cluster_table, default_clusters, kmeans
 
     rng = np.random.default_rng(0)
@@ -138,10 +140,16 @@ def stage_clusters(n: int) -> dict:
     start = time.perf_counter()
     labels = kmeans(features, default_clusters(n), seed=0)
     clustered = time.perf_counter()
-    balance_factors(cluster_table(labels), TemperatureBalance(0.5))
+    table = cluster_table(labels)
+    balance_factors(table, TemperatureBalance(0.5))
     done = time.perf_counter()
+    tail = cluster_table(np.minimum(rng.zipf(1.3, n), 5000))
+    begun = time.perf_counter()
+    rule = SpreadBalance(0.6)
+    balance_factors(tail, rule)
+    spread = time.perf_counter() - begun
     return {"samples": n, "clusters": default_clusters(n), "kmeans_s": clustered - start,
-            "factors_s": done - clustered, **peak_mb()}
+            "factors_s": done - clustered, "spread_s": spread, "spread_alpha": rule.alpha, **peak_mb()}
 
 
 def in_fresh_process(args: list[str]) -> dict:
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"peak {s['self_mb']:,.0f} MB")
     for c in results["clusters"]:
         print(f"image clusters of {c['samples']:,} samples: k-means into {c['clusters']:,} in {c['kmeans_s']:.1f} s, "
-              f"factors {c['factors_s']:.2f} s; peak {c['self_mb']:,.0f} MB")
+              f"factors {c['factors_s']:.2f} s (spread {c['spread_s']:.2f} s); peak {c['self_mb']:,.0f} MB")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
