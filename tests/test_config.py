@@ -136,6 +136,8 @@ def test_the_help_text_lists_every_setting_with_its_default_and_rule():
             keys += sorted({f"{section.name}.{f.name}[].{g.name}" + ("" if g.name in shared else kind)
                             for kind, rule in registry.items() for g in dataclasses.fields(rule)})
     assert sorted(lines) == sorted(keys)
+    assert lines["data.sources"].split(None, 1)[1] == ("list       default []; each item a kind, default shards, one of "
+                                                       "shards, synthetic")
     assert lines["data.sources[].share"].endswith("float      default 0.0 (every kind)")
     assert lines["data.sources[].samplessynthetic"].endswith("default 2000 (kind synthetic), must be >= 1")
     assert text.startswith("usage: python train.py [--config FILE]")
