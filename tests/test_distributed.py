@@ -77,7 +77,9 @@ def launch(kind, args, tmp_path, num_processes=2):
     env = launch_env(extra_env)
     cmd = [*launch_command(kind, num_processes), str(REPO / "train.py"), *RUN, *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    if proc.returncode != 0:  # pytest.fail prints the whole log, where an assert's message is cut to a few lines
+        pytest.fail(f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n"
+                    f"--- stderr ---\n{proc.stderr[-8000:]}", pytrace=False)
     return proc.stdout + proc.stderr
 
 
