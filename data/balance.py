@@ -213,6 +213,14 @@ class BalanceRule(abc.ABC):
         """Its kind and settings as data: what a draw plan's fingerprint records, so no setting can be left out."""
         return {"kind": self.KIND, **dataclasses.asdict(self)}
 
+    def found(self) -> dict:
+        """What the data gave the rule when its factors ran (not a setting): the draw plan stores it, so a run that
+        reads the plan back describes the rule as the run that made it did."""
+        return {}
+
+    def restore(self, found: dict) -> None:
+        """Take back what `found` returned when the plan was made."""
+
 
 @dataclass
 class NoBalance(BalanceRule):
@@ -291,7 +299,8 @@ def effective_samples(draws: np.ndarray) -> float:
 @dataclass
 class SpreadBalance(EntryRule):
     """Temperature at the largest alpha in [0, 1] that keeps a share `keep` of the natural stream's effective
-    samples (see the module doc); `alpha` of the last `factors` call is kept for the log and the card."""
+    samples (see the module doc); `alpha` of the last `factors` call (or of the stored plan) is kept for the log and
+    the card."""
 
     KIND: ClassVar[str] = "spread"
     RANGES: ClassVar[dict] = {"keep": "in (0, 1] (1 = natural)"}
@@ -330,6 +339,12 @@ class SpreadBalance(EntryRule):
                 low, high = (mid, high) if spread(mid) >= goal else (low, mid)
         self.alpha = low
         return np.exp(low * log_boost)
+
+    def found(self) -> dict:
+        return {} if self.alpha is None else {"alpha": self.alpha}
+
+    def restore(self, found: dict) -> None:
+        self.alpha = found.get("alpha")
 
 
 @dataclass

@@ -150,6 +150,7 @@ def plan_draws(
     fingerprint = plan_fingerprint(index, mix, balance, extractor)
     plan = load_plan(folder, fingerprint)
     if plan is not None:
+        balance.restore(plan.report.get("balance_found", {}))
         return plan
     natural = mix.rate
     table = image_clusters = None
@@ -189,6 +190,7 @@ def plan_draws(
         "source_settings": mix.settings(),
         "balance": balance.settings(),
         "balance_line": balance.describe(),
+        "balance_found": balance.found(),
         "largest_repeat": {"draws_per_epoch": float(planned[largest]), "sample": largest,
                            "source": mix.sources[int(mix.source_of([largest])[0])].name},
         "distinct_share": float(np.minimum(planned, 1.0).sum() / mix.num_samples),

@@ -240,6 +240,11 @@ def test_the_plan_keeps_the_shares_balances_within_them_and_is_reused_while_its_
     other = plan_draws(index, mix, TemperatureBalance(0.5), tmp_path,
                        captions=lambda: iter(captions))  # settings changed
     assert not np.array_equal(other.units, plan.units) and load_plan(tmp_path).report["balance"]["alpha"] == 0.5
+    # what the data gave a rule (spread's alpha) comes back with the stored plan: a resumed run's card says it
+    spread = plan_draws(index, mix, SpreadBalance(0.9), tmp_path / "spread", captions=lambda: iter(captions))
+    reread = SpreadBalance(0.9)
+    assert plan_draws(index, mix, reread, tmp_path / "spread", captions=unread).report == spread.report
+    assert 0 < reread.alpha < 1 and reread.describe() == spread.report["balance_line"]
 
 
 def test_balance_counts_each_sample_at_its_sources_rate(tmp_path):
