@@ -108,7 +108,7 @@ def test_spread_gives_a_steep_tail_a_smaller_alpha_than_a_mild_one_and_keep_1_is
     assert alphas == sorted(alphas, reverse=True) and alphas[0] == 1.0 and alphas[-1] < 0.6
     natural = SpreadBalance(1.0)
     assert np.all(balance_factors(table_of(long_tail(2.0)), natural) == 1.0) and natural.alpha == 0.0
-    assert SpreadBalance().describe() == "balanced by concepts (temperature, set to keep 50% of the effective samples)"
+    assert SpreadBalance().describe() == "balanced by concepts (temperature, set to keep 60% of the effective samples)"
     # two sources drawn at rates 1 and 3: the effective samples are counted at those rates
     table = table_of(long_tail(2.0))
     rate = np.where(np.arange(len(table)) % 2, 3.0, 1.0)
