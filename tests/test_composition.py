@@ -741,7 +741,8 @@ def test_a_recorded_study_reports_its_committed_tables_again(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("study", ["composition_results_v2", "composition_balance", "composition_heldout_14"])
+@pytest.mark.parametrize("study", ["composition_results_v2", "composition_balance", "composition_heldout_14",
+                                   "composition_population"])
 def test_every_recorded_study_reports_its_committed_tables_again(tmp_path, study):
     folder = REPO / "bench" / study
     assert composition.main(["--report", str(folder), "--out", str(tmp_path)]) == 0
